@@ -1,0 +1,61 @@
+"""The models this farm serves, with their live state."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+
+from api.services import Services, services
+from workers.heartbeat import list_workers
+
+bp = Blueprint("catalog", __name__)
+
+
+def model_states(svc: Services) -> dict[str, dict[str, Any]]:
+    """Per model: workers ready/starting, queued and running jobs."""
+    counts = svc.jobs.active_counts()
+    ready: Counter[str] = Counter()
+    starting: Counter[str] = Counter()
+    for worker in list_workers(svc.redis, svc.settings):
+        if worker["lost"]:
+            continue
+        if worker["state"] == "ready":
+            ready[worker["model"]] += 1
+        elif worker["state"] == "starting":
+            starting[worker["model"]] += 1
+    states = {}
+    for definition in svc.catalog:
+        c = counts.get(definition.name, {"queued": 0, "running": 0})
+        states[definition.name] = {
+            "replicas_ready": ready[definition.name],
+            "replicas_starting": starting[definition.name],
+            "queue_depth": c["queued"],
+            "running": c["running"],
+        }
+    return states
+
+
+@bp.get("/v1/models")
+def list_models() -> Response:
+    """OpenAI's model list shape, each entry extended with Switchyard's state."""
+    svc = services()
+    states = model_states(svc)
+    data = []
+    for d in svc.catalog:
+        data.append(
+            {
+                "id": d.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "switchyard",
+                "description": d.description,
+                "public": d.public,
+                "enabled": d.enabled,
+                "backend": d.backend,
+                "limits": d.limits.model_dump(),
+                "state": states[d.name],
+            }
+        )
+    return jsonify({"object": "list", "data": data})

@@ -1,0 +1,24 @@
+"""gunicorn settings for the API, from Switchyard's settings.
+
+The ``gthread`` worker: each websocket or SSE stream holds a thread for its
+life, which flask-sock supports without monkey-patching, so psycopg2, redis-py
+and Celery's producer stay ordinary blocking libraries. Capacity is
+``api_workers × api_threads`` concurrent streams (128 by default).
+"""
+
+from config import load_settings
+
+_settings = load_settings()
+
+bind = f"{_settings.api_host}:{_settings.api_port}"
+worker_class = "gthread"
+workers = _settings.api_workers
+threads = _settings.api_threads
+# Long-lived streams must not be killed as "silent" workers; a request's own
+# thread keeps the worker's heartbeat alive in gthread, so 30 s is enough.
+timeout = 30
+graceful_timeout = 20
+keepalive = 5
+accesslog = "-"
+errorlog = "-"
+loglevel = _settings.log_level.lower()

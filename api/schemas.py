@@ -1,0 +1,97 @@
+"""Request bodies, validated with pydantic; a bad field is a 422 naming it."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal, TypeVar
+
+from flask import request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from api.errors import BadRequest, ValidationFailed
+
+MAX_STOP_STRINGS = 8
+T = TypeVar("T", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1_000_000)
+
+
+class GenerationParams(_Body):
+    """Sampling parameters; any left out take the model's defaults."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=5)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, le=100_000)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    truncate: bool = False
+
+    @field_validator("temperature", "top_p", "repetition_penalty")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            for s in value:
+                if not s or len(s) > 256:
+                    raise ValueError("each stop string must have 1 to 256 characters")
+        return value
+
+    def given(self) -> dict[str, Any]:
+        """Only the parameters the client set."""
+        return self.model_dump(exclude_none=True, exclude_defaults=True)
+
+
+class JobRequest(_Body):
+    model: str = Field(min_length=1, max_length=64)
+    messages: list[Message] | None = Field(default=None, min_length=1, max_length=1000)
+    prompt: str | None = Field(default=None, min_length=1, max_length=1_000_000)
+    params: GenerationParams = Field(default_factory=GenerationParams)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of 'messages' or 'prompt'")
+        return self
+
+
+def json_body() -> Any:
+    """The request's JSON body; 400 when it is not JSON or not UTF-8."""
+    raw = request.get_data(cache=True)
+    if not raw:
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+
+
+def parse(schema: type[T], data: Any) -> T:
+    """Validate ``data`` against ``schema``; 422 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ValidationFailed("the body must be a JSON object", field="(body)")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(body)"
+        raise ValidationFailed(f"{field}: {first['msg']}", field=field) from None

@@ -1,0 +1,48 @@
+"""What one API process holds: settings, catalog, database, Redis, Celery, the relay hub.
+
+Created by the app factory and stored in ``app.extensions``; routes reach it
+through :func:`services`. Nothing here connects at construction: Redis and
+SQLAlchemy pools open lazily, the relay hub's thread starts on first use (so
+gunicorn can fork safely).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+from flask import current_app
+
+from api.streams import RelayHub
+from config import Catalog, Settings
+from db.accounts import Accounts
+from db.jobs import JobStore
+from db.session import Database
+from tasks.events import EventLog
+
+EXTENSION = "switchyard"
+
+
+@dataclass
+class Services:
+    settings: Settings
+    catalog: Catalog
+    db: Database
+    jobs: JobStore
+    accounts: Accounts
+    redis: redis.Redis
+    events: EventLog
+    hub: RelayHub
+    celery: Celery
+
+    def close(self) -> None:
+        self.hub.stop()
+        self.db.dispose()
+        self.redis.close()
+
+
+def services() -> Services:
+    """The current app's services."""
+    found: Services = current_app.extensions[EXTENSION]
+    return found

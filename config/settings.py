@@ -1,0 +1,148 @@
+"""The one typed settings object, built from the environment once.
+
+Every tunable lives here with its unit and default. ``DATABASE_URL`` and
+``REDIS_URL`` keep their conventional names; everything else is prefixed with
+``SWITCHYARD_``. A bad value stops start-up with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PREFIX = "SWITCHYARD_"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class SettingsError(ValueError):
+    """A variable of the environment has a value Switchyard cannot use."""
+
+    def __init__(self, variable: str, message: str) -> None:
+        super().__init__(f"{variable}: {message}")
+        self.variable = variable
+
+
+class Settings(BaseModel):
+    """Everything a Switchyard process may be tuned by."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    database_url: str = Field(
+        default=f"sqlite:///{PROJECT_ROOT / '.switchyard' / 'switchyard.db'}",
+        description="SQLAlchemy URL of the job database (Postgres in production).",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL: Celery broker, event streams, heartbeats.",
+    )
+    state_dir: Path = Field(
+        default=PROJECT_ROOT / ".switchyard",
+        description="Folder for the SQLite file, embedded Redis and converted model caches.",
+    )
+    models_dir: Path = Field(
+        default=PROJECT_ROOT / "config" / "models",
+        description="Folder of model definition files (*.yaml).",
+    )
+    redis_prefix: str = Field(
+        default="sy",
+        pattern=r"^[A-Za-z0-9_.-]{1,32}$",
+        description="Prefix of every Redis key Switchyard writes (streams, heartbeats).",
+    )
+    stream_ttl_s: int = Field(
+        default=3600,
+        ge=10,
+        description="Seconds a job's event stream is kept after its last event.",
+    )
+    stream_coalesce_ms: int = Field(
+        default=15,
+        ge=0,
+        le=1000,
+        description="Milliseconds a worker gathers tokens before publishing them as one event.",
+    )
+    relay_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Seconds of pub/sub silence after which a relay re-reads the stream history.",
+    )
+    job_timeout_s: int = Field(
+        default=1800, ge=10, description="Longest a single generation may run, in seconds."
+    )
+    visibility_timeout_s: int = Field(
+        default=3600,
+        ge=60,
+        description=(
+            "Seconds before Redis re-delivers an unacknowledged message; above job_timeout_s."
+        ),
+    )
+    heartbeat_interval_s: float = Field(
+        default=2.0, gt=0, le=60, description="Seconds between a worker's heartbeats."
+    )
+    heartbeat_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="Seconds a heartbeat lives; a silent worker is lost after it.",
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, description="Largest request body the API accepts, in bytes."
+    )
+    torch_threads: int = Field(
+        default=0, ge=0, description="Threads torch may use in a worker; 0 keeps torch's default."
+    )
+    default_model: str = Field(
+        default="smollm2-135m", description="Model the local launcher starts a worker for."
+    )
+    api_host: str = Field(default="127.0.0.1", description="Address the API listens on.")
+    api_port: int = Field(default=8000, ge=1, le=65535, description="Port the API listens on.")
+    api_threads: int = Field(
+        default=64,
+        ge=2,
+        le=4096,
+        description="Threads per gunicorn worker: each open websocket or SSE stream holds one.",
+    )
+    api_workers: int = Field(default=2, ge=1, le=64, description="gunicorn worker processes.")
+    log_level: str = Field(
+        default="INFO",
+        pattern=r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
+        description="Log level of every Switchyard process.",
+    )
+
+    def key(self, *parts: str) -> str:
+        """A Redis key under this deployment's prefix."""
+        return ":".join((self.redis_prefix, *parts))
+
+
+_UNPREFIXED = {"database_url": "DATABASE_URL", "redis_url": "REDIS_URL"}
+
+
+def variable_name(field: str) -> str:
+    """The environment variable that sets ``field``."""
+    return _UNPREFIXED.get(field, PREFIX + field.upper())
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    """Build :class:`Settings` from ``environ`` (default: ``os.environ``).
+
+    ``overrides`` win over the environment (tests, the local launcher).
+    Raises :class:`SettingsError` naming the first bad variable, or an unknown
+    ``SWITCHYARD_*`` variable (a typo would otherwise be silently ignored).
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    known = {variable_name(name): name for name in Settings.model_fields}
+    for var, value in env.items():
+        if var in known:
+            values[known[var]] = value
+        elif var.startswith(PREFIX):
+            raise SettingsError(var, "unknown setting")
+    values.update(overrides)
+    try:
+        return Settings(**values)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        raise SettingsError(variable_name(field), first["msg"]) from None

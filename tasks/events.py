@@ -1,0 +1,102 @@
+"""A job's event log: a Redis Stream for history plus a pub/sub channel for live delivery.
+
+Both the worker (writer) and the API (reader) go through :class:`EventLog`, so
+the Redis mechanics live in one place. Each event carries ``seq`` (0, 1, 2, …
+per job, across attempts); a reader that has seen ``seq = k`` asks for the
+events after ``k`` and never sees one twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import redis
+
+from config import Settings
+
+EventType = Literal["queued", "started", "token", "restart", "done", "error"]
+FINAL_TYPES: frozenset[str] = frozenset({"done", "error"})
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a job's stream; ``fields`` holds the type-specific data."""
+
+    seq: int
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> bool:
+        return self.type in FINAL_TYPES
+
+    @property
+    def text(self) -> str:
+        return str(self.fields.get("text", ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "type": self.type, **self.fields}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> JobEvent:
+        data = json.loads(raw)
+        seq = int(data.pop("seq"))
+        kind = str(data.pop("type"))
+        return cls(seq=seq, type=kind, fields=data)
+
+
+class EventLog:
+    """Append to and read from job event streams in one Redis."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.settings = settings
+
+    def channel(self, job_id: str) -> str:
+        """Name of both the stream key and the pub/sub channel of a job."""
+        return self.settings.key("job", job_id)
+
+    def channel_prefix(self) -> str:
+        return self.settings.key("job", "")
+
+    def append(self, job_id: str, events: list[JobEvent]) -> None:
+        """Write events to the stream and publish them, in one round trip."""
+        if not events:
+            return
+        key = self.channel(job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for event in events:
+            payload = event.to_json()
+            pipe.xadd(key, {"e": payload})
+            pipe.publish(key, payload)
+        pipe.expire(key, self.settings.stream_ttl_s)
+        pipe.execute()
+
+    def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
+        """Every stored event with ``seq > after``, in order."""
+        entries = cast(_Entries, self.redis.xrange(self.channel(job_id)))
+        events = [JobEvent.from_json(fields[b"e"]) for _id, fields in entries]
+        return [e for e in events if e.seq > after]
+
+    def last_seq(self, job_id: str) -> int:
+        """The seq of the newest event, or -1 for an empty stream."""
+        entries = cast(_Entries, self.redis.xrevrange(self.channel(job_id), count=1))
+        if not entries:
+            return -1
+        return JobEvent.from_json(entries[0][1][b"e"]).seq
+
+    def cancel_key(self, job_id: str) -> str:
+        return self.settings.key("cancel", job_id)
+
+    def request_cancel(self, job_id: str) -> None:
+        """Ask the worker running ``job_id`` to stop it at its next step."""
+        self.redis.set(self.cancel_key(job_id), "1", ex=self.settings.stream_ttl_s)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.redis.exists(self.cancel_key(job_id)))

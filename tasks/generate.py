@@ -1,0 +1,33 @@
+"""The generate task: a thin adapter from a Celery message to the job runner.
+
+The message carries only the job id (Celery's task id is the job id too); the
+job row is the source of truth for everything else. The runner that does the
+work is installed by the worker bootstrap once its model is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tasks.celery import GENERATE_TASK, app
+
+
+class Runner(Protocol):
+    def run(self, job_id: str) -> None: ...
+
+
+_runner: Runner | None = None
+
+
+def serve_with(runner: Runner | None) -> None:
+    """Install the process's runner (worker bootstrap) or remove it (shutdown)."""
+    global _runner
+    _runner = runner
+
+
+@app.task(name=GENERATE_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+def generate(job_id: str) -> None:
+    if _runner is None:
+        # Raising makes Celery reject (and, with acks_late, redeliver) rather than drop.
+        raise RuntimeError("this process serves no model: start it with `switchyard worker`")
+    _runner.run(job_id)

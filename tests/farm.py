@@ -1,0 +1,252 @@
+"""Real services and processes for integration and e2e tests.
+
+Postgres and Redis are the real servers named by ``SY_TEST_DATABASE_URL`` and
+``SY_TEST_REDIS_URL``; when they are unreachable the tests skip, unless
+``SY_TEST_REQUIRE_SERVICES=1`` (CI) turns that into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+import requests
+from sqlalchemy import create_engine, text
+
+from config import Settings
+from config.settings import PROJECT_ROOT
+
+DEFAULT_PG = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/15"
+
+
+def tests_database_url() -> str:
+    return os.environ.get("SY_TEST_DATABASE_URL", DEFAULT_PG)
+
+
+def tests_redis_url() -> str:
+    return os.environ.get("SY_TEST_REDIS_URL", DEFAULT_REDIS)
+
+
+def services_required() -> bool:
+    return os.environ.get("SY_TEST_REQUIRE_SERVICES", "") == "1"
+
+
+def unreachable_services() -> list[str]:
+    problems = []
+    try:
+        engine = create_engine(tests_database_url(), connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as exc:
+        problems.append(f"Postgres at {tests_database_url()}: {type(exc).__name__}")
+    try:
+        redis.Redis.from_url(tests_redis_url(), socket_connect_timeout=3).ping()
+    except Exception as exc:
+        problems.append(f"Redis at {tests_redis_url()}: {type(exc).__name__}")
+    return problems
+
+
+def reset_database(url: str) -> None:
+    """Drop every table (ours and Alembic's) so migrations start from nothing."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+        else:
+            for table in ("jobs", "api_tokens", "users", "alembic_version"):
+                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+    engine.dispose()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that gives a child process these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    env.update(
+        {
+            "DATABASE_URL": settings.database_url,
+            "REDIS_URL": settings.redis_url,
+            "SWITCHYARD_REDIS_PREFIX": settings.redis_prefix,
+            "SWITCHYARD_STATE_DIR": str(settings.state_dir),
+            "SWITCHYARD_MODELS_DIR": str(settings.models_dir),
+            "SWITCHYARD_API_PORT": str(settings.api_port),
+            "SWITCHYARD_API_WORKERS": str(settings.api_workers),
+            "SWITCHYARD_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
+            "SWITCHYARD_HEARTBEAT_TTL_S": str(settings.heartbeat_ttl_s),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+class Process:
+    """A child process whose output goes to a log file, stopped on exit."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=PROJECT_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_worker(settings: Settings, model: str, log_dir: Path) -> Process:
+    argv = [sys.executable, "-m", "workers", "worker", "--model", model]
+    return Process(argv, settings_env(settings), log_dir / f"worker-{model}-{time.time_ns()}.log")
+
+
+def wait_ready(settings: Settings, model: str, proc: Process, timeout: float = 240) -> str:
+    """Block until ``proc``'s worker reports ready; returns its worker id."""
+    from workers.heartbeat import list_workers
+
+    client = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise AssertionError(f"worker exited early:\n{proc.log()[-4000:]}")
+        for w in list_workers(client, settings):
+            if (
+                w["model"] == model
+                and w["pid"] == proc.proc.pid
+                and w["state"] == "ready"
+                and not w["lost"]
+            ):
+                return str(w["id"])
+        time.sleep(0.2)
+    raise AssertionError(f"worker not ready in {timeout} s:\n{proc.log()[-4000:]}")
+
+
+@contextmanager
+def serve_app_in_thread(settings: Settings) -> Iterator[str]:
+    """The real Flask app on a real socket (Werkzeug's threaded server)."""
+    from werkzeug.serving import make_server
+
+    from api import create_app
+
+    app = create_app(settings)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        app.extensions["switchyard"].close()
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer in {timeout} s")
+
+
+def ws_events(
+    base_url: str, job_id: str, token: str, *, after: int | None = None, timeout: float = 120
+) -> list[dict[str, Any]]:
+    """Every frame of a job's websocket until the server closes it."""
+    import websocket
+
+    url = base_url.replace("http", "ws", 1) + f"/v1/jobs/{job_id}/ws"
+    if after is not None:
+        url += f"?after={after}"
+    ws = websocket.create_connection(
+        url, header=[f"Authorization: Bearer {token}"], timeout=timeout
+    )
+    frames = []
+    try:
+        while True:
+            try:
+                raw = ws.recv()
+            except websocket.WebSocketConnectionClosedException:
+                break
+            if not raw:
+                break
+            frames.append(json.loads(raw))
+            if frames[-1]["type"] in ("done", "error"):
+                break
+    finally:
+        ws.close()
+    return frames
+
+
+def sse_events(
+    base_url: str,
+    job_id: str,
+    token: str,
+    *,
+    last_event_id: int | None = None,
+    timeout: float = 120,
+) -> list[dict[str, Any]]:
+    """Every event of a job's SSE stream, parsed from the wire format."""
+    headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = str(last_event_id)
+    events = []
+    with requests.get(
+        f"{base_url}/v1/jobs/{job_id}/events", headers=headers, stream=True, timeout=timeout
+    ) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        fields: dict[str, str] = {}
+        for line in r.iter_lines(decode_unicode=True):
+            if line == "":
+                if "data" in fields:
+                    event = json.loads(fields["data"])
+                    assert int(fields["id"]) == event["seq"]
+                    assert fields["event"] == event["type"]
+                    events.append(event)
+                    if event["type"] in ("done", "error"):
+                        break
+                fields = {}
+            elif not line.startswith(":"):
+                name, _, value = line.partition(": ")
+                fields[name] = value
+    return events

@@ -1,0 +1,1 @@
+"""Worker processes: bootstrap, the job runner, heartbeats, the local launcher, the CLI."""

@@ -1,0 +1,138 @@
+"""``switchyard``: the command line of the farm.
+
+switchyard run                     everything on this machine (make run)
+switchyard worker --model NAME     one worker process for one model
+switchyard migrate                 apply database migrations
+switchyard user add NAME [--role]  add a user
+switchyard token create --user N   issue an API token (shown once)
+switchyard models validate         check every model definition
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from config import CatalogError, Settings, SettingsError, load_catalog, load_settings
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        raise SystemExit(f"switchyard: bad setting {exc}") from None
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from workers.bootstrap import run_worker
+
+    settings = _settings()
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_worker(settings, args.model or settings.default_model)
+
+
+def _cmd_migrate(_: argparse.Namespace) -> int:
+    from db.migrate import upgrade
+
+    upgrade(_settings().database_url)
+    print("database is up to date")
+    return 0
+
+
+def _cmd_user_add(args: argparse.Namespace) -> int:
+    from db.accounts import Accounts
+    from db.schema import Role
+    from db.session import Database
+
+    accounts = Accounts(Database(_settings().database_url))
+    if accounts.user_id(args.name) is not None:
+        raise SystemExit(f"switchyard: user {args.name!r} exists")
+    accounts.add_user(args.name, Role(args.role))
+    print(f"added {args.role} {args.name}")
+    return 0
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    from db.accounts import Accounts
+    from db.session import Database
+
+    accounts = Accounts(Database(_settings().database_url))
+    if accounts.user_id(args.user) is None:
+        raise SystemExit(f"switchyard: no user {args.user!r}")
+    expires = datetime.now(UTC) + timedelta(days=args.days) if args.days else None
+    issued = accounts.issue_token(args.user, name=args.name, expires_at=expires)
+    print(issued.secret)
+    return 0
+
+
+def _cmd_models_validate(_: argparse.Namespace) -> int:
+    settings = _settings()
+    try:
+        catalog = load_catalog(settings.models_dir)
+    except CatalogError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 1
+    for d in catalog:
+        print(f"ok  {d.name}  ({d.source.kind}, {d.backend})")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from workers.launcher import run_local
+
+    return run_local(models=args.model or None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description="Switchyard LLM worker farm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "run", help="run API, Redis (embedded if needed) and workers on this machine"
+    )
+    p.add_argument("--model", action="append", help="model to start a worker for (repeatable)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("worker", help="serve one model from its queue")
+    p.add_argument("--model", help="model name (default: SWITCHYARD_DEFAULT_MODEL)")
+    p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("migrate", help="apply database migrations")
+    p.set_defaults(func=_cmd_migrate)
+
+    users = sub.add_parser("user", help="manage users").add_subparsers(dest="action", required=True)
+    p = users.add_parser("add", help="add a user")
+    p.add_argument("name")
+    p.add_argument("--role", choices=["admin", "operator", "user"], default="user")
+    p.set_defaults(func=_cmd_user_add)
+
+    tokens = sub.add_parser("token", help="manage API tokens").add_subparsers(
+        dest="action", required=True
+    )
+    p = tokens.add_parser("create", help="issue a token for a user (printed once)")
+    p.add_argument("--user", required=True)
+    p.add_argument("--name", default="")
+    p.add_argument("--days", type=int, default=0, help="expire after N days (0: never)")
+    p.set_defaults(func=_cmd_token_create)
+
+    models = sub.add_parser("models", help="model definitions").add_subparsers(
+        dest="action", required=True
+    )
+    p = models.add_parser("validate", help="validate every model definition")
+    p.set_defaults(func=_cmd_models_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Worker heartbeats: a key per worker with a TTL, plus a registry of every worker seen.
+
+A worker whose key expired is lost: it no longer counts as capacity, but its
+last report stays in the registry so operators can see what vanished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import redis
+
+from config import Settings
+
+log = logging.getLogger(__name__)
+
+WorkerState = Literal["starting", "ready", "draining", "failed"]
+
+
+@dataclass
+class WorkerReport:
+    id: str
+    model: str
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    device: str = "cpu"
+    state: WorkerState = "starting"
+    busy_slots: int = 0
+    total_slots: int = 0
+    tokens_per_s: float = 0.0
+    last_job: str | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = 0.0
+
+
+def worker_key(settings: Settings, worker_id: str) -> str:
+    return settings.key("worker", worker_id)
+
+
+def registry_key(settings: Settings) -> str:
+    return settings.key("workers")
+
+
+class Heartbeat:
+    """Publishes a :class:`WorkerReport` every ``heartbeat_interval_s`` from a thread."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        report: WorkerReport,
+        sample: Callable[[WorkerReport], None] | None = None,
+    ) -> None:
+        self.redis = client
+        self.settings = settings
+        self.report = report
+        self.sample = sample
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def set_state(self, state: WorkerState, error: str | None = None) -> None:
+        self.report.state = state
+        self.report.error = error
+        self.beat()
+
+    def beat(self) -> None:
+        if self.sample is not None:
+            self.sample(self.report)
+        self.report.updated_at = time.time()
+        payload = json.dumps(asdict(self.report))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(
+            worker_key(self.settings, self.report.id),
+            payload,
+            px=int(self.settings.heartbeat_ttl_s * 1000),
+        )
+        pipe.hset(registry_key(self.settings), self.report.id, payload)
+        pipe.execute()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                self.beat()
+            except redis.RedisError as exc:  # Redis away: keep trying, the TTL decides.
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self, *, forget: bool = True) -> None:
+        """Stop beating; ``forget`` removes this worker from Redis at once."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if forget:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(worker_key(self.settings, self.report.id))
+                pipe.hdel(registry_key(self.settings), self.report.id)
+                pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("could not remove heartbeat: %s", exc)
+
+
+def list_workers(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
+    """Every worker in the registry, each with ``lost`` true if its heartbeat expired."""
+    registry = client.hgetall(registry_key(settings))
+    if not registry:
+        return []
+    ids = sorted(k.decode() if isinstance(k, bytes) else k for k in registry)
+    live = client.mget([worker_key(settings, i) for i in ids])
+    workers = []
+    for worker_id, current in zip(ids, live, strict=True):
+        raw = current if current is not None else registry[worker_id.encode()]
+        report = json.loads(raw)
+        report["lost"] = current is None
+        workers.append(report)
+    return workers

