@@ -18,6 +18,6 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
-def upgrade(url: str, revision: str = "head") -> None:
+def upgrade(url: str, revision: str = "heads") -> None:
     """Bring the database at ``url`` to ``revision``."""
     command.upgrade(alembic_config(url), revision)

@@ -129,22 +129,24 @@ def bootstrap_admin(settings: Settings) -> str | None:
 
 
 def stop_children(children: list[Child]) -> None:
-    for child in reversed(children):
-        if child.alive():
-            assert child.proc is not None
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for child in reversed(children):
-        if child.proc is None:
-            continue
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(
-                f"switchyard: {child.name} did not stop in {GRACE_S:.0f} s; killing it", flush=True
-            )
-            child.proc.kill()
-            child.proc.wait()
+    """Stop the farm's processes first, then the embedded Redis they talk to."""
+    infrastructure = [c for c in children if c.name == "redis"]
+    farm = [c for c in children if c.name != "redis"]
+    for tier in (farm, infrastructure):
+        for child in tier:
+            if child.alive():
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in tier:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"switchyard: {child.name} did not stop in {GRACE_S:.0f} s; killing it")
+                child.proc.kill()
+                child.proc.wait()
 
 
 def wait_for_api(url: str, api: Child, timeout: float = 60) -> bool:
