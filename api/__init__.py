@@ -12,7 +12,23 @@ import logging
 import redis
 from flask import Flask
 
-from api import catalog, health, jobs
+from api import (
+    admin,
+    catalog,
+    chats,
+    health,
+    jobs,
+    metrics,
+    multiplex,
+    openai,
+    openapi,
+    operations,
+    scaling,
+    tgi,
+    tokenizer,
+    web,
+)
+from api.auth import SUBPROTOCOL
 from api.errors import register_error_handlers
 from api.services import EXTENSION, Services
 from api.sock import sock
@@ -36,6 +52,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["SOCK_SERVER_OPTIONS"] = {
         "ping_interval": 25,
         "max_message_size": settings.max_body_bytes,
+        # Offered with "bearer.<token>" by browsers (api/auth.py); never echo the token.
+        "subprotocols": [SUBPROTOCOL],
     }
     app.json.sort_keys = False  # type: ignore[attr-defined]
 
@@ -49,7 +67,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         catalog=load_catalog(settings.models_dir),
         db=db,
         jobs=JobStore(db),
-        accounts=Accounts(db),
+        accounts=Accounts(db, touch_interval_s=settings.token_touch_interval_s),
         redis=client,
         events=events,
         hub=RelayHub(client, events, settings),
@@ -58,5 +76,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     sock.init_app(app)
     for blueprint in (health.bp, catalog.bp, jobs.bp):
         app.register_blueprint(blueprint)
+    app.register_blueprint(chats.bp)
+    for blueprint in (openai.bp, tgi.bp, multiplex.bp, tokenizer.bp, admin.bp, openapi.bp):
+        app.register_blueprint(blueprint)
+    app.register_blueprint(scaling.bp)
+    app.register_blueprint(web.bp)
+    metrics.init_app(app)
+    operations.init_app(app, app.extensions[EXTENSION])
     register_error_handlers(app)
     return app

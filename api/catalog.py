@@ -8,7 +8,9 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 
 from api.services import Services, services
+from db.overrides import ModelOverrides, apply
 from workers.heartbeat import list_workers
+from workers.scaler import ScalerState
 
 bp = Blueprint("catalog", __name__)
 
@@ -25,10 +27,14 @@ def model_states(svc: Services) -> dict[str, dict[str, Any]]:
             ready[worker["model"]] += 1
         elif worker["state"] == "starting":
             starting[worker["model"]] += 1
+    desired = ScalerState(svc.redis, svc.settings).desired()
     states = {}
     for definition in svc.catalog:
         c = counts.get(definition.name, {"queued": 0, "running": 0})
         states[definition.name] = {
+            # What the scaler last decided (None: no scaler has run), and why.
+            "replicas_desired": desired.get(definition.name, {}).get("desired"),
+            "scaling_reason": desired.get(definition.name, {}).get("reason"),
             "replicas_ready": ready[definition.name],
             "replicas_starting": starting[definition.name],
             "queue_depth": c["queued"],
@@ -42,8 +48,9 @@ def list_models() -> Response:
     """OpenAI's model list shape, each entry extended with Switchyard's state."""
     svc = services()
     states = model_states(svc)
+    overrides = ModelOverrides(svc.db).all()
     data = []
-    for d in svc.catalog:
+    for d in (apply(d, overrides.get(d.name)) for d in svc.catalog):
         data.append(
             {
                 "id": d.name,

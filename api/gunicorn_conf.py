@@ -14,11 +14,17 @@ bind = f"{_settings.api_host}:{_settings.api_port}"
 worker_class = "gthread"
 workers = _settings.api_workers
 threads = _settings.api_threads
+# gthread accepts at most worker_connections clients per process (default 1000),
+# threads or not: keep it at least the thread count so every thread can stream.
+worker_connections = max(1000, _settings.api_threads * 2)
 # Long-lived streams must not be killed as "silent" workers; a request's own
 # thread keeps the worker's heartbeat alive in gthread, so 30 s is enough.
 timeout = 30
 graceful_timeout = 20
 keepalive = 5
 accesslog = "-"
+# The path without its query string: a browser may pass ?token=… and secrets
+# never belong in a log.
+access_log_format = '%(h)s "%(m)s %(U)s %(H)s" %(s)s %(b)s %(M)sms "%(a)s"'
 errorlog = "-"
 loglevel = _settings.log_level.lower()

@@ -1,27 +1,52 @@
-"""The job resource: submit, read, cancel, and stream (websocket and SSE)."""
+"""The job resource: submit, list, read, cancel, and stream (websocket and SSE).
+
+:func:`submit_job` is the one submission path of every front door (native,
+OpenAI, TGI, the multiplexed websocket): model and auth checks, limits,
+idempotency, deadline, then the row, the ``queued`` event and the Celery
+message. :func:`follow_job` and :func:`cancel` are the shared reading and
+cancelling halves.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 from kombu.exceptions import OperationalError as BrokerError
+from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
 
-from api.auth import optional_principal, require_principal
-from api.errors import ApiError, NotFound, Unauthorized, Unavailable, ValidationFailed
+from api.auth import client_address, optional_principal, require_principal
+from api.errors import (
+    ApiError,
+    BadRequest,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    ValidationFailed,
+)
+from api.limits import Limiter, caller_for, check_capacity, check_queue
+from api.openapi import Header, spec
 from api.schemas import JobRequest, json_body, parse
 from api.services import services
 from api.sock import sock
+from config import ModelDefinition
 from db.accounts import Principal
-from db.schema import Job, JobStatus
+from db.jobs import EXPIRED, DuplicateIdempotencyKey
+from db.overrides import ModelOverrides, apply
+from db.schema import Job, JobStatus, utcnow
 from tasks.celery import GENERATE_TASK
 from tasks.events import JobEvent
 from tasks.queues import queue_name
+from workers.scaler import wake_if_idle
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +54,13 @@ bp = Blueprint("jobs", __name__)
 
 # Seconds of silence after which an SSE stream sends a keep-alive comment.
 SSE_KEEPALIVE_S = 15.0
+MAX_IDEMPOTENCY_KEY = 255
+
+IDEMPOTENCY_HEADER = Header(
+    "Idempotency-Key",
+    "A retried submission with the same key (per user) returns the first job, not a new one.",
+    {"type": "string", "maxLength": MAX_IDEMPOTENCY_KEY},
+)
 
 
 def _iso(value: Any) -> str | None:
@@ -56,6 +88,7 @@ def job_view(job: Job) -> dict[str, Any]:
             "started": _iso(job.started_at),
             "first_token": _iso(job.first_token_at),
             "finished": _iso(job.finished_at),
+            "deadline": _iso(job.deadline_at),
         },
         "stream": stream_urls(job.id),
     }
@@ -65,18 +98,60 @@ def stream_urls(job_id: str) -> dict[str, str]:
     return {"ws": f"/v1/jobs/{job_id}/ws", "events": f"/v1/jobs/{job_id}/events"}
 
 
-def submit_job(req: JobRequest, principal: Principal | None) -> Job:
+def served_model(name: str) -> ModelDefinition:
+    """The definition of a model served here, with run-time overrides; 404 otherwise."""
+    svc = services()
+    definition = svc.catalog.get(name)
+    if definition is not None:
+        definition = apply(definition, ModelOverrides(svc.db).get(name))
+    if definition is None or not definition.enabled:
+        raise NotFound(f"model {name!r} is not served here", field="model")
+    return definition
+
+
+def authorize_model(definition: ModelDefinition, principal: Principal | None) -> None:
+    """A private model needs a token (401 otherwise)."""
+    if principal is None and not definition.public:
+        raise Unauthorized(f"model {definition.name!r} needs an API token")
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A job as submitted; ``replayed`` when an idempotency key found an earlier one."""
+
+    job: Job
+    replayed: bool = False
+
+
+def idempotency_key_header() -> str | None:
+    """The request's ``Idempotency-Key``; 400 when it is not short printable ASCII."""
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable():
+        raise BadRequest(
+            f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
+            field="Idempotency-Key",
+        )
+    return key
+
+
+def submit_job(
+    req: JobRequest, principal: Principal | None, *, idempotency_key: str | None = None
+) -> Submitted:
     """Record a job, log its ``queued`` event and put it on its model's queue.
 
-    Shared by every front door (native, OpenAI, TGI); raises an :class:`ApiError`
-    before anything is stored when the request cannot be served.
+    Shared by every front door; raises an :class:`ApiError` before anything is
+    stored or counted when the request cannot be served: 404 unknown or
+    disabled model, 401 private model without a token, 422 a parameter over
+    the model's limits, 503 a model that can never get a worker, 429 (with
+    Retry-After) a full queue or a caller over their limits. With
+    ``idempotency_key``, a job already submitted with that key by the same
+    caller is returned instead of a new one (before any limit is counted).
     """
     svc = services()
-    definition = svc.catalog.get(req.model)
-    if definition is None or not definition.enabled:
-        raise NotFound(f"model {req.model!r} is not served here", field="model")
-    if principal is None and not definition.public:
-        raise Unauthorized()
+    definition = served_model(req.model)
+    authorize_model(definition, principal)
     params = req.params.given()
     max_new = params.get("max_new_tokens")
     if max_new is not None and max_new > definition.limits.max_new_tokens:
@@ -84,27 +159,63 @@ def submit_job(req: JobRequest, principal: Principal | None) -> Job:
             f"params.max_new_tokens: at most {definition.limits.max_new_tokens} for {req.model}",
             field="params.max_new_tokens",
         )
+    scoped_key = None
+    if idempotency_key is not None:
+        scope = str(principal.user_id) if principal is not None else "anon"
+        scoped_key = f"{scope}:{idempotency_key}"
+        earlier = svc.jobs.by_idempotency_key(scoped_key)
+        if earlier is not None:
+            return Submitted(earlier, replayed=True)
+    check_capacity(definition, svc.redis, svc.db, svc.settings)
+    caller = caller_for(principal, client_address(), svc.settings)
+    limiter = Limiter(svc.redis, svc.settings)
+    limiter.admit_request(caller)
+    check_queue(definition, svc.jobs, svc.settings)
     job_id = str(uuid.uuid4())
-    job = svc.jobs.create(
-        job_id=job_id,
-        model=req.model,
-        user_id=principal.user_id if principal else None,
-        messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
-        prompt=req.prompt,
-        params=params,
-    )
+    reserved = limiter.reserve_slot(caller, job_id, svc.jobs)
+    wait_s: float | None = svc.settings.queue_deadline_s or None
+    if req.deadline_s is not None:
+        wait_s = min(req.deadline_s, wait_s) if wait_s else req.deadline_s
+    try:
+        job = svc.jobs.create(
+            job_id=job_id,
+            model=req.model,
+            user_id=principal.user_id if principal else None,
+            messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
+            prompt=req.prompt,
+            params=params,
+            deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
+            idempotency_key=scoped_key,
+        )
+    except DuplicateIdempotencyKey:
+        # A concurrent twin of this request won the insert: answer with its job.
+        if reserved:
+            limiter.release_slot(caller, job_id)
+        earlier = svc.jobs.by_idempotency_key(scoped_key or "")
+        if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
+            raise Unavailable("the job queue is unavailable; retry shortly") from None
+        return Submitted(earlier, replayed=True)
+    except BaseException:
+        if reserved:
+            limiter.release_slot(caller, job_id)
+        raise
     try:
         svc.events.append(job_id, [JobEvent(seq=0, type="queued", fields={"model": req.model})])
         svc.celery.send_task(
             GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue_name(req.model)
         )
     except Exception as exc:  # broker or Redis down: nothing was accepted
-        log.warning("could not enqueue job %s: %s", job_id, exc)
+        log.warning("could not enqueue job %s: %s", job_id, type(exc).__name__)
         svc.jobs.delete(job_id)
+        if reserved:
+            # Redis may be what is down; the prune on the caller's next refusal frees it.
+            with contextlib.suppress(Exception):
+                limiter.release_slot(caller, job_id)
         if isinstance(exc, (BrokerError, OSError)) or "redis" in type(exc).__module__:
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         raise
-    return job
+    wake_if_idle(svc.redis, svc.settings, req.model)  # a model at zero starts a worker now
+    return Submitted(job)
 
 
 def visible_job(job_id: str, principal: Principal | None) -> Job:
@@ -120,38 +231,181 @@ def visible_job(job_id: str, principal: Principal | None) -> Job:
     return job
 
 
-@bp.post("/v1/jobs")
-def create_job() -> tuple[Response, int]:
-    principal = optional_principal()
-    req = parse(JobRequest, json_body())
-    job = submit_job(req, principal)
-    body = {"id": job.id, "status": job.status, "model": job.model, "stream": stream_urls(job.id)}
-    response = jsonify(body)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return response, 202
+class JobFailed(ApiError):
+    """A job that ended in error, given to a client that waited for its answer.
+
+    A worker's error names the field it refused (``prompt: …``) when the
+    request was at fault: that is a 400. A deadline that passed in the queue is
+    a 503 (retry when the farm is less busy); anything else failed on the
+    worker's side.
+    """
+
+    def __init__(self, error: str) -> None:
+        field, sep, _ = error.partition(": ")
+        if error == EXPIRED:
+            super().__init__("the job waited in the queue past its deadline (expired)")
+            self.status, self.error_type = 503, "expired"
+        elif sep and (field in ("prompt", "messages") or field.startswith("params")):
+            super().__init__(error, field=field)
+            self.status, self.error_type = 400, "invalid_request"
+        else:
+            super().__init__(f"generation failed: {error}")
+            self.status, self.error_type = 500, "generation_error"
 
 
-@bp.get("/v1/jobs/<job_id>")
-def get_job(job_id: str) -> Response:
-    job = visible_job(job_id, optional_principal())
-    return jsonify(job_view(job))
+CancelResult = Literal["cancelled", "cancel_requested", "final"]
 
 
-@bp.delete("/v1/jobs/<job_id>")
-def cancel_job(job_id: str) -> tuple[Response, int]:
-    principal = require_principal()
+def cancel(job_id: str) -> CancelResult:
+    """Stop a job: a queued one ends at once (``done`` event, cancelled), a
+    running one is asked to stop at its worker's next step (its batch slot is
+    freed then), a final one is left alone.
+    """
     svc = services()
-    job = visible_job(job_id, principal)
     if svc.jobs.cancel_queued(job_id):
         seq = svc.events.last_seq(job_id) + 1
         svc.events.append(
             job_id,
             [JobEvent(seq=seq, type="done", fields={"finish_reason": "cancelled", "text": ""})],
         )
-        return jsonify(job_view(svc.jobs.get(job_id) or job)), 200
-    job = svc.jobs.get(job_id) or job
-    if job.status == JobStatus.running.value:
+        return "cancelled"
+    job = svc.jobs.get(job_id)
+    if job is not None and job.status == JobStatus.running.value:
         svc.events.request_cancel(job_id)
+        return "cancel_requested"
+    return "final"
+
+
+def expire_if_due(job: Job) -> bool:
+    """Fail ``job`` if it is still queued past its deadline, with an ``error`` event.
+
+    Workers do this when they take an expired job; a client waiting on a model
+    with no worker at all gets its answer from here.
+    """
+    if job.deadline_at is None or utcnow() < job.deadline_at:
+        return False
+    svc = services()
+    if not svc.jobs.expire_queued(job.id):
+        return False
+    seq = svc.events.last_seq(job.id) + 1
+    svc.events.append(job.id, [JobEvent(seq=seq, type="error", fields={"error": "expired"})])
+    return True
+
+
+def follow_job(job: Job, after: int = -1, *, idle_s: float) -> Iterator[JobEvent | None]:
+    """Every event of ``job`` after seq ``after``, ending after the final one.
+
+    Yields None after each ``idle_s`` of silence, so a caller can send a
+    keep-alive (which is also how a vanished client is noticed); expires the
+    job when it is still queued past its deadline.
+    """
+    with services().hub.subscribe(job.id) as sub:
+        last = after
+        while True:
+            for event in sub.events(last, idle_timeout=idle_s):
+                last = event.seq
+                yield event
+                if event.final:
+                    return
+            expire_if_due(job)
+            yield None
+
+
+def final_event(job: Job, *, idle_s: float) -> JobEvent:
+    """Wait for ``job``'s ``done`` event; :class:`JobFailed` on an ``error`` event."""
+    for event in follow_job(job, idle_s=idle_s):
+        if event is not None and event.final:
+            if event.type == "error":
+                raise JobFailed(str(event.fields.get("error") or "error"))
+            return event
+    raise JobFailed("the event stream ended without a final event")  # pragma: no cover
+
+
+class JobListQuery(BaseModel):
+    """Query of ``GET /v1/jobs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limit: int = Field(default=20, ge=1, le=100, description="Jobs per page.")
+    before: str | None = Field(
+        default=None, max_length=64, description="next_before of the previous page."
+    )
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None
+    model: str | None = Field(default=None, max_length=64)
+    all: bool = Field(default=False, description="Every user's jobs (operators and admins).")
+
+
+@bp.post("/v1/jobs")
+@spec(
+    "Submit a job",
+    tags=("jobs",),
+    body=JobRequest,
+    headers=(IDEMPOTENCY_HEADER,),
+    success=202,
+    description="Private models need a token. 429 with Retry-After when a limit is full.",
+)
+def create_job() -> tuple[Response, int]:
+    principal = optional_principal()
+    req = parse(JobRequest, json_body())
+    submitted = submit_job(req, principal, idempotency_key=idempotency_key_header())
+    job = submitted.job
+    body = {"id": job.id, "status": job.status, "model": job.model, "stream": stream_urls(job.id)}
+    response = jsonify(body)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if submitted.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return response, 202
+
+
+@bp.get("/v1/jobs")
+@spec("List the caller's jobs, newest first", tags=("jobs",), query=JobListQuery, auth="required")
+def list_jobs() -> Response:
+    principal = require_principal()
+    query = parse(JobListQuery, request.args.to_dict())
+    if query.all and not principal.sees_all_jobs:
+        raise Forbidden("all: only operators and admins see every user's jobs", field="all")
+    svc = services()
+    before = None
+    if query.before is not None:
+        before = svc.jobs.get(query.before)
+        if before is None or (before.user_id != principal.user_id and not principal.sees_all_jobs):
+            raise ValidationFailed("before: no such job", field="before")
+    jobs = svc.jobs.list_jobs(
+        user_id=principal.user_id,
+        limit=query.limit + 1,
+        before=before,
+        status=query.status,
+        model=query.model,
+        all_users=query.all,
+    )
+    page = jobs[: query.limit]
+    has_more = len(jobs) > query.limit
+    return jsonify(
+        {
+            "object": "list",
+            "data": [job_view(j) for j in page],
+            "has_more": has_more,
+            "next_before": page[-1].id if has_more and page else None,
+        }
+    )
+
+
+@bp.get("/v1/jobs/<job_id>")
+@spec("A job's state and result", tags=("jobs",))
+def get_job(job_id: str) -> Response:
+    job = visible_job(job_id, optional_principal())
+    return jsonify(job_view(job))
+
+
+@bp.delete("/v1/jobs/<job_id>")
+@spec("Cancel a job", tags=("jobs",), auth="required")
+def cancel_job(job_id: str) -> tuple[Response, int]:
+    principal = require_principal()
+    svc = services()
+    job = visible_job(job_id, principal)
+    result = cancel(job_id)
+    job = svc.jobs.get(job_id) or job
+    if result == "cancel_requested":
         return jsonify({**job_view(job), "cancel_requested": True}), 202
     return jsonify(job_view(job)), 200
 
@@ -169,6 +423,11 @@ def _after_param(raw: str | None) -> int:
 
 
 @bp.get("/v1/jobs/<job_id>/events")
+@spec(
+    "A job's events as server-sent events (id = seq; Last-Event-ID or ?after= resumes)",
+    tags=("jobs",),
+    stream=True,
+)
 def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
     visible_job(job_id, optional_principal(allow_query=True))
@@ -200,7 +459,6 @@ def job_events(job_id: str) -> Response:
     return response
 
 
-@sock.route("/v1/jobs/<job_id>/ws", bp=bp)
 def job_socket(ws: Any, job_id: str) -> None:
     """Websocket: one JSON text frame per event, closed after ``done`` or ``error``."""
     try:
@@ -220,3 +478,12 @@ def job_socket(ws: Any, job_id: str) -> None:
         except ConnectionClosed:
             return
     ws.close(reason=1000, message="done")
+
+
+sock.route("/v1/jobs/<job_id>/ws", bp=bp)(
+    spec(
+        "A job's events over a websocket (re-attach a detached job here; ?after= resumes)",
+        tags=("jobs",),
+        websocket=True,
+    )(job_socket)
+)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from api.errors import BadRequest, ValidationFailed
 
 MAX_STOP_STRINGS = 8
+MAX_DEADLINE_S = 7 * 86400
 T = TypeVar("T", bound=BaseModel)
 
 
@@ -62,6 +63,12 @@ class JobRequest(_Body):
     messages: list[Message] | None = Field(default=None, min_length=1, max_length=1000)
     prompt: str | None = Field(default=None, min_length=1, max_length=1_000_000)
     params: GenerationParams = Field(default_factory=GenerationParams)
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description="Seconds the job may wait in the queue before it expires unstarted.",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
@@ -93,5 +100,20 @@ def parse(schema: type[T], data: Any) -> T:
         return schema.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(body)"
+        field = field_name(first["loc"])
         raise ValidationFailed(f"{field}: {first['msg']}", field=field) from None
+
+
+# Names pydantic puts in an error's location for the member of a union that
+# failed (``stop.list[str]``): they are types, not fields.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "is-instance"})
+
+
+def field_name(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a dotted field name (``messages.0.role``)."""
+    parts = [
+        str(p)
+        for p in loc
+        if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p.startswith("function-")))
+    ]
+    return ".".join(parts) or "(body)"

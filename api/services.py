@@ -8,7 +8,8 @@ gunicorn can fork safely).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 from celery import Celery
@@ -24,6 +25,12 @@ from tasks.events import EventLog
 EXTENSION = "switchyard"
 
 
+class Background(Protocol):
+    """A loop an API process runs beside its requests (e.g. the reaper)."""
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Services:
     settings: Settings
@@ -35,8 +42,11 @@ class Services:
     events: EventLog
     hub: RelayHub
     celery: Celery
+    background: list[Background] = field(default_factory=list)
 
     def close(self) -> None:
+        for loop in self.background:
+            loop.stop()
         self.hub.stop()
         self.db.dispose()
         self.redis.close()

@@ -58,7 +58,10 @@ class Subscription:
             try:
                 event = self.queue.get(timeout=self.hub.settings.relay_poll_s)
             except queue.Empty:
-                missed = self.hub.events.history(self.job_id, after=last)
+                # Cheap check first: an idle job costs one XREVRANGE per poll.
+                missed = []
+                if self.hub.events.last_seq(self.job_id) > last:
+                    missed = self.hub.events.history(self.job_id, after=last)
                 if not missed:
                     if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
                         return

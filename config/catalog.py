@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 
@@ -89,6 +96,11 @@ class Limits(_Strict):
     slots: int | None = Field(
         default=None, ge=1, le=1024, description="Celery task slots; default max_batch_size."
     )
+    max_queue_length: int | None = Field(
+        default=None,
+        ge=0,
+        description="Jobs that may wait in the queue (429 beyond); default the setting's.",
+    )
 
     @property
     def task_slots(self) -> int:
@@ -106,12 +118,16 @@ class SamplingDefaults(_Strict):
 
 
 class RunCommand(_Strict):
+    """Run ``args`` (no shell) before the model loads; a non-zero exit or ``timeout_s`` fails it."""
+
     action: Literal["run_command"]
     args: list[str] = Field(min_length=1)
     timeout_s: float = Field(default=60, gt=0)
 
 
 class WriteFile(_Strict):
+    """Write ``body`` to ``path`` (relative paths: under the state folder) before loading."""
+
     action: Literal["write_file"]
     path: str
     body: str
@@ -122,18 +138,62 @@ PreStartAction = Annotated[RunCommand | WriteFile, Field(discriminator="action")
 
 
 class HealthCheck(_Strict):
+    """How a ready worker checks its own engine: a one-token generation every ``interval_s``.
+
+    After ``max_retries`` failures in a row (an error, or no answer within
+    ``timeout_s``) the worker reports ``failed`` and exits non-zero, so its
+    executor restarts it.
+    """
+
     interval_s: float = Field(default=10, gt=0)
     max_retries: int = Field(default=3, ge=1)
     initial_delay_s: float = Field(default=0, ge=0)
+    timeout_s: float = Field(default=30, gt=0)
 
 
 class ScheduleWindow(_Strict):
-    """A time-of-day window: while ``cron`` matches, replicas are clamped."""
+    """A time-of-day window: while ``cron`` matches, replicas are clamped.
+
+    The window is active during every minute the five-field cron expression
+    matches in ``timezone`` (``* 9-18 * * 1-5``: weekdays 09:00-18:59).
+    """
 
     cron: str
     timezone: str = "UTC"
     min_replicas: int | None = Field(default=None, ge=0)
     max_replicas: int | None = Field(default=None, ge=0)
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        from croniter import croniter
+
+        if len(value.split()) != 5 or not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a five-field cron expression")
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScheduleWindow:
+        if self.min_replicas is None and self.max_replicas is None:
+            raise ValueError("a window sets min_replicas, max_replicas or both")
+        if (
+            self.min_replicas is not None
+            and self.max_replicas is not None
+            and self.min_replicas > self.max_replicas
+        ):
+            raise ValueError("min_replicas is above max_replicas")
+        return self
 
 
 class Scaling(_Strict):

@@ -87,6 +87,48 @@ class Settings(BaseModel):
         le=600,
         description="Seconds a heartbeat lives; a silent worker is lost after it.",
     )
+    worker_grace_s: float = Field(
+        default=90.0,
+        ge=0,
+        le=86_400,
+        description=(
+            "Seconds a worker told to stop (SIGTERM) keeps generating its running jobs; what is "
+            "unfinished then is cancelled and re-queued. Keep it below the executor's kill "
+            "deadline (drain_grace_s, Kubernetes' terminationGracePeriodSeconds)."
+        ),
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="Attempts a job gets before a lost worker fails it ('worker lost N times').",
+    )
+    reaper_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="Seconds between two reaper sweeps (lost workers' jobs, orphaned messages).",
+    )
+    reaper_in_api: bool = Field(
+        default=True,
+        description=(
+            "Run the reaper in a thread of each API process (one sweeps per interval, by a "
+            "Redis lock); off when a `switchyard reaper` process or the scaler runs it."
+        ),
+    )
+    reconcile_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Seconds a queued job may lack a broker message (not waiting in its queue, not "
+            "freshly delivered) before the reaper sends it again."
+        ),
+    )
+    worker_prune_after_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Seconds a lost worker stays listed (as lost) before it is pruned.",
+    )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest request body the API accepts, in bytes."
     )
@@ -105,6 +147,129 @@ class Settings(BaseModel):
         description="Threads per gunicorn worker: each open websocket or SSE stream holds one.",
     )
     api_workers: int = Field(default=2, ge=1, le=64, description="gunicorn worker processes.")
+    scaler_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds between two scaler ticks (a wake-up from the API ticks at once).",
+    )
+    scaler_lock_ttl_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=600,
+        description=(
+            "Seconds the scaler leader lock lives unless renewed; a standby scaler takes over "
+            "this long after the leader dies. Above scaler_interval_s."
+        ),
+    )
+    scaler_executor: str = Field(
+        default="local",
+        pattern=r"^(local|kubernetes|none)$",
+        description=(
+            "What applies the scaler's replica counts: 'local' processes, 'kubernetes', or "
+            "'none' (decide, record and reap only; replicas are managed elsewhere)."
+        ),
+    )
+    drain_grace_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description=(
+            "Seconds a draining local worker may take to finish its running jobs after SIGTERM "
+            "before it is killed; at least job_timeout_s to never cut a job short."
+        ),
+    )
+    restart_backoff_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds before a crashed local worker is restarted; doubles per crash.",
+    )
+    restart_backoff_max_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest wait, in seconds, before restarting a worker that keeps crashing.",
+    )
+    cuda_visible_devices: str = Field(
+        default="",
+        pattern=r"^[0-9A-Za-z,:-]*$",
+        description=(
+            "GPUs the local executor hands out, one per worker (CUDA_VISIBLE_DEVICES, "
+            "comma-separated); empty: workers get no GPU assignment."
+        ),
+    )
+    k8s_namespace: str = Field(
+        default="switchyard",
+        description="Kubernetes namespace of the worker Deployments (kubernetes executor).",
+    )
+    k8s_deployment: str = Field(
+        default="switchyard-worker-{model}",
+        description="Name of a model's worker Deployment; {model} is the model name.",
+    )
+    max_queue_length: int = Field(
+        default=1000,
+        ge=1,
+        description=(
+            "Jobs that may wait in one model's queue; beyond it submissions get 429. "
+            "A model definition's limits.max_queue_length wins."
+        ),
+    )
+    queue_deadline_s: int = Field(
+        default=3600,
+        ge=0,
+        description=(
+            "Seconds a job may wait in the queue before it expires unstarted (failed, "
+            "error 'expired'); a request may ask for less. 0: jobs never expire."
+        ),
+    )
+    retry_after_s: int = Field(
+        default=5,
+        ge=1,
+        le=3600,
+        description="Seconds a 429 for a full queue or too many running jobs asks to wait.",
+    )
+    token_touch_interval_s: int = Field(
+        default=60,
+        ge=0,
+        description=(
+            "Seconds between two writes of a token's last-used time (0: on every request)."
+        ),
+    )
+    stream_keepalive_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description=(
+            "Seconds of silence after which an OpenAI/TGI stream sends a keep-alive; a "
+            "vanished client is noticed (and its job cancelled) on such a write."
+        ),
+    )
+    anonymous_max_concurrent_jobs: int = Field(
+        default=2,
+        ge=0,
+        description="Queued+running jobs per client address without a token; 0: no limit.",
+    )
+    anonymous_requests_per_minute: int = Field(
+        default=20,
+        ge=0,
+        description="Generation requests per minute per address without a token; 0: no limit.",
+    )
+    user_max_concurrent_jobs: int = Field(
+        default=8, ge=0, description="Queued+running jobs per user of role 'user'; 0: no limit."
+    )
+    user_requests_per_minute: int = Field(
+        default=120, ge=0, description="Generation requests per minute per 'user'; 0: no limit."
+    )
+    operator_max_concurrent_jobs: int = Field(
+        default=64, ge=0, description="Queued+running jobs per operator; 0: no limit."
+    )
+    operator_requests_per_minute: int = Field(
+        default=600, ge=0, description="Generation requests per minute per operator; 0: no limit."
+    )
+    admin_max_concurrent_jobs: int = Field(
+        default=0, ge=0, description="Queued+running jobs per admin; 0: no limit."
+    )
+    admin_requests_per_minute: int = Field(
+        default=0, ge=0, description="Generation requests per minute per admin; 0: no limit."
+    )
     log_level: str = Field(
         default="INFO",
         pattern=r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
@@ -116,7 +281,11 @@ class Settings(BaseModel):
         return ":".join((self.redis_prefix, *parts))
 
 
-_UNPREFIXED = {"database_url": "DATABASE_URL", "redis_url": "REDIS_URL"}
+_UNPREFIXED = {
+    "database_url": "DATABASE_URL",
+    "redis_url": "REDIS_URL",
+    "cuda_visible_devices": "CUDA_VISIBLE_DEVICES",
+}
 
 
 def variable_name(field: str) -> str:

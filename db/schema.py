@@ -10,7 +10,18 @@ import enum
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -63,6 +74,9 @@ class User(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     role: Mapped[str] = mapped_column(String(16), default=Role.user.value)
+    # Per-user limits over the role's defaults (settings); None: the role's, 0: no limit.
+    max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -108,3 +122,117 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     first_token_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # A job still queued after its deadline is never started (failed, error "expired").
+    deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # "<scope>:<Idempotency-Key>", scope being the user id or "anon": a retried
+    # submission with the same key finds this job instead of making a second one.
+    idempotency_key: Mapped[str | None] = mapped_column(String(320), nullable=True, unique=True)
+
+
+class Chat(Base):
+    """A conversation of one user: its model, sampling settings and system prompt."""
+
+    __tablename__ = "chats"
+    __table_args__ = (Index("ix_chats_user_updated", "user_id", "updated_at"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    title: Mapped[str] = mapped_column(String(200), default="")
+    model: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    system_prompt: Mapped[str] = mapped_column(Text, default="")
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ChatMessage(Base):
+    """One turn of a chat; an assistant turn names the job that produced it."""
+
+    __tablename__ = "chat_messages"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str] = mapped_column(Text, default="")
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ScalingOverride(Base):
+    """Run-time changes to one model's scaling policy; a null column keeps the definition's."""
+
+    __tablename__ = "scaling_overrides"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    min_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    target_jobs_per_replica: Mapped[float | None] = mapped_column(Float, nullable=True)
+    upscale_delay_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    downscale_delay_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    scale_to_zero_delay_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    manual_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    manual_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    updated_by: Mapped[str] = mapped_column(String(128), default="")
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ScalingWindow(Base):
+    """A time-of-day window added at run time (definition windows live in the YAML)."""
+
+    __tablename__ = "scaling_windows"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), index=True)
+    cron: Mapped[str] = mapped_column(String(128))
+    timezone: Mapped[str] = mapped_column(String(64), default="UTC")
+    min_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_by: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ScalingDecision(Base):
+    """A change of a model's desired replicas, with the reason the scaler gave."""
+
+    __tablename__ = "scaling_decisions"
+    __table_args__ = (Index("ix_scaling_decisions_model_at", "model", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    previous: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    desired: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(16))
+    detail: Mapped[str] = mapped_column(Text, default="")
+    queued: Mapped[int] = mapped_column(Integer, default=0)
+    running: Mapped[int] = mapped_column(Integer, default=0)
+    ready: Mapped[int] = mapped_column(Integer, default=0)
+    scaler: Mapped[str] = mapped_column(String(255), default="")
+
+
+class ScalingAudit(Base):
+    """Who changed a scaling setting, when, and to what."""
+
+    __tablename__ = "scaling_audit"
+    __table_args__ = (Index("ix_scaling_audit_model_at", "model", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    actor: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(32))
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class ModelOverride(Base):
+    """Run-time changes to a model's definition (enabled, public); null keeps the YAML's."""
+
+    __tablename__ = "model_overrides"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    enabled: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    public: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    updated_by: Mapped[str] = mapped_column(String(128), default="")
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from models.batch import Batch, check_mergeable
 from models.detokenize import IncrementalDetokenizer, StopStringFilter
 from models.errors import EngineClosed, EngineError, InvalidRequest, PromptTooLong
 from models.loader import LoadedModel
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 10.0
 """Seconds of recent decoding that :meth:`Engine.tokens_per_second` averages over."""
+
+OOM_REGROW_STEPS = 64
+"""Decoding steps after an out-of-memory error before the batch may take one more request."""
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Chat-template end markers that end a generation when the template uses them."""
@@ -177,75 +180,7 @@ class _Sequence:
         return self.request.params
 
     def all_ids(self) -> list[int]:
-        return self.request.prompt_ids + self.generated
-
-
-class _Batch:
-    """The running requests, their shared KV cache and attention mask (rows align)."""
-
-    def __init__(self) -> None:
-        self.seqs: list[_Sequence] = []
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # [rows, columns], 1 = real token
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def clear(self) -> None:
-        self.seqs, self.cache, self.mask = [], None, None
-
-    def layers(self) -> list[DynamicLayer]:
-        assert self.cache is not None
-        return list(self.cache.layers)  # type: ignore[arg-type]
-
-    def add(self, seq: _Sequence, cache: DynamicCache, length: int) -> None:
-        """Merge a prefilled sequence (its cache is ``length`` long) as the last row."""
-        new_mask = torch.ones(1, length, dtype=torch.long, device=_cache_device(cache))
-        if self.cache is None or self.mask is None:
-            self.seqs, self.cache, self.mask = [seq], cache, new_mask
-            return
-        width = max(self.mask.shape[1], length)
-        for mine, theirs in zip(self.layers(), cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
-            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
-        self.mask = torch.cat(
-            [F.pad(self.mask, (width - self.mask.shape[1], 0)), F.pad(new_mask, (width - length, 0))]
-        )
-        self.seqs.append(seq)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order) and trim all-padding columns on the left."""
-        if not rows:
-            self.clear()
-            return
-        if len(rows) == len(self.seqs) and rows == list(range(len(rows))):
-            return
-        assert self.mask is not None
-        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        mask = self.mask.index_select(0, index)
-        first = int(mask.any(0).long().argmax())
-        for layer in self.layers():
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
-        self.mask = mask[:, first:]
-        self.seqs = [self.seqs[i] for i in rows]
-
-    def crop(self, width: int) -> None:
-        """Cut every layer back to ``width`` columns (undo a half-done forward)."""
-        for layer in self.layers():
-            layer.keys = layer.keys[:, :, :width]
-            layer.values = layer.values[:, :, :width]
-        if self.mask is not None:
-            self.mask = self.mask[:, :width]
-
-
-def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[2]
-    return F.pad(t, (0, 0, missing, 0)) if missing else t
-
-
-def _cache_device(cache: DynamicCache) -> torch.device:
-    return cache.layers[0].keys.device  # type: ignore[union-attr]
+        return [*self.request.prompt_ids, *self.generated]
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -280,17 +215,22 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_input_tokens = max_input_tokens
         self.max_new_tokens = max_new_tokens
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        embeddings: Any = self.model.get_input_embeddings()
+        self.vocab_size = int(embeddings.weight.shape[0])
         self.eos_token_ids = frozenset(self._find_eos_ids())
         self._cache_kwarg = (
-            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else "past_key_values"
         )
         self._check_cache_layout()
 
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._batch = _Batch()
+        self._batch: Batch[_Sequence] = Batch()
         self._batch_cap = max_batch_size  # lowered after an out-of-memory error
+        self._steps_at_cap = 0
+        self._admitting: _Sequence | None = None  # being prefilled, not yet in the batch
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -332,7 +272,9 @@ class Engine:
     @property
     def busy_slots(self) -> int:
         """Requests being decoded now (not counting those waiting for a slot)."""
-        return len(self._batch.seqs)
+        admitting = self._admitting
+        busy = sum(1 for seq in list(self._batch.seqs) if not seq.done)
+        return busy + (1 if admitting is not None and not admitting.done else 0)
 
     @property
     def queued(self) -> int:
@@ -377,8 +319,10 @@ class Engine:
         if not messages:
             raise InvalidRequest("messages", "no messages")
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-                m.get("content"), str
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
             ):
                 raise InvalidRequest("messages", "each message needs a string role and content")
         ids = self._render(messages)
@@ -396,7 +340,7 @@ class Engine:
         last = others[-1]
         # Everything the template puts before the last message's text is the
         # common prefix of renderings with and without that text.
-        framing = self._render(system + [{"role": last["role"], "content": ""}])
+        framing = self._render([*system, {"role": last["role"], "content": ""}])
         head = 0
         while head < min(len(ids), len(framing)) and ids[head] == framing[head]:
             head += 1
@@ -454,7 +398,9 @@ class Engine:
                 raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary")
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         assert isinstance(text, str)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -476,8 +422,7 @@ class Engine:
         return ids
 
     def _check_cache_layout(self) -> None:
-        cache = DynamicCache(config=self.model.config)
-        if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        if not check_mergeable(self.model.config):
             raise EngineError(
                 "this model's KV cache is not a plain per-layer cache (sliding window or "
                 "recurrent layers); the batching engine cannot merge it"
@@ -498,7 +443,7 @@ class Engine:
                     self._drop_cancelled()
                     if self._batch.seqs:
                         self._decode_step()
-                except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
+                except Exception as exc:  # the loop must outlive any bug
                     log.exception("engine step failed")
                     self._fail_batch(f"{type(exc).__name__}: {exc}")
 
@@ -509,27 +454,40 @@ class Engine:
                 if self._stopping or not self._waiting or len(self._batch) >= self._batch_cap:
                     return
                 seq = self._waiting.popleft()
-            if seq.cancelled:
-                self._finish(seq, "cancelled")
-                continue
+                self._admitting = seq
             try:
-                cache, logits = self._prefill(seq)
-            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
-                if _is_oom(exc) and self._batch.seqs:
-                    self._empty_device_cache()
-                    with self._lock:
-                        self._waiting.appendleft(seq)
-                        self._batch_cap = max(1, len(self._batch))
-                    return
-                log.warning("prefill of %s failed: %s", seq.request.request_id, exc)
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-                continue
-            seq.position = len(seq.all_ids())
-            self._process_row(seq, logits)
-            self._count_tokens(1)
-            if not seq.done:
+                admitted = self._admit_one(seq)
+            finally:
                 with self._lock:
-                    self._batch.add(seq, cache, seq.position)
+                    self._admitting = None
+            if not admitted:
+                return
+
+    def _admit_one(self, seq: _Sequence) -> bool:
+        """Prefill ``seq`` and merge it into the batch; False if it was put back (OOM)."""
+        if seq.cancelled:
+            self._finish(seq, "cancelled")
+            return True
+        try:
+            cache, logits = self._prefill(seq)
+        except Exception as exc:  # one request's failure is its own
+            if _is_oom(exc) and self._batch.seqs:
+                self._empty_device_cache()
+                with self._lock:
+                    self._waiting.appendleft(seq)
+                    self._batch_cap = max(1, len(self._batch))
+                    self._steps_at_cap = 0
+                return False
+            log.warning("prefill of %s failed: %s", seq.request.request_id, exc)
+            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return True
+        seq.position = len(seq.all_ids())
+        self._process_row(seq, logits)
+        self._count_tokens(1)
+        if not seq.done:
+            with self._lock:
+                self._batch.add(seq, cache, seq.position)
+        return True
 
     def _prefill(self, seq: _Sequence) -> tuple[DynamicCache, torch.Tensor]:
         """Run a sequence's tokens alone; return its cache and last-position logits."""
@@ -559,8 +517,12 @@ class Engine:
         assert batch.mask is not None
         width = batch.mask.shape[1]
         device = batch.mask.device
-        input_ids = torch.tensor([[s.generated[-1]] for s in batch.seqs], dtype=torch.long, device=device)
-        positions = torch.tensor([[s.position] for s in batch.seqs], dtype=torch.long, device=device)
+        input_ids = torch.tensor(
+            [[s.generated[-1]] for s in batch.seqs], dtype=torch.long, device=device
+        )
+        positions = torch.tensor(
+            [[s.position] for s in batch.seqs], dtype=torch.long, device=device
+        )
         mask = F.pad(batch.mask, (0, 1), value=1)
         try:
             out = self.model(
@@ -572,7 +534,7 @@ class Engine:
                 **{self._cache_kwarg: batch.cache},
             )
             logits = out.logits[:, -1].float()
-        except Exception as exc:  # noqa: BLE001 - shared failure: fail this step's requests
+        except Exception as exc:  # shared: fail this step's requests
             if _is_oom(exc) and len(batch) > 1:
                 self._halve_batch(width)
                 return
@@ -592,14 +554,22 @@ class Engine:
         self._count_tokens(len(batch))
         with self._lock:
             batch.keep(keep)
-            if not batch.seqs:
-                self._batch_cap = self.max_batch_size
+            self._regrow_cap()
+
+    def _regrow_cap(self) -> None:
+        """After an out-of-memory error, let the batch grow back a slot at a time."""
+        if self._batch_cap >= self.max_batch_size:
+            return
+        self._steps_at_cap += 1
+        if not self._batch.seqs or self._steps_at_cap >= OOM_REGROW_STEPS:
+            self._batch_cap = self.max_batch_size if not self._batch.seqs else self._batch_cap + 1
+            self._steps_at_cap = 0
 
     def _process_row(self, seq: _Sequence, logits: torch.Tensor) -> None:
         """Sample one token for ``seq`` and emit its text; failures fail ``seq`` alone."""
         try:
             self._advance(seq, seq.sampler.sample(logits))
-        except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+        except Exception as exc:  # one request's failure is its own
             log.warning("request %s failed: %s", seq.request.request_id, exc)
             self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
@@ -627,7 +597,9 @@ class Engine:
         seq.handle._put(TokenEvent(text, seq.unsent_ids))
         seq.unsent_ids = []
 
-    def _finish(self, seq: _Sequence, reason: str, *, error: str | None = None, flush: bool = True) -> None:
+    def _finish(
+        self, seq: _Sequence, reason: str, *, error: str | None = None, flush: bool = True
+    ) -> None:
         """End ``seq`` once: release held-back text, then send its :class:`FinishEvent`."""
         if seq.done:
             return
@@ -678,6 +650,7 @@ class Engine:
             batch.keep(list(range(half)))
             self._waiting.extendleft(reversed(requeue))
             self._batch_cap = max(1, half)
+            self._steps_at_cap = 0
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":

@@ -14,6 +14,7 @@ at import time.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -85,11 +86,6 @@ def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -
     converted copies (created if missing). The call is slow (it loads weights)
     and is meant to run once per worker process.
     """
-    if definition.backend != "transformers":
-        raise ModelLoadError(
-            definition.name,
-            f"backend {definition.backend!r} is not available; only 'transformers' is built",
-        )
     device = resolve_device(definition.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(definition.name, f"device {definition.device!r} asked but no CUDA")
@@ -106,10 +102,28 @@ def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -
         raise ModelLoadError(definition.name, f"{type(exc).__name__}: {exc}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
+    if definition.backend == "optimum":
+        _quantize_with_optimum(definition.name, model)
     return LoadedModel(definition.name, model, tokenizer, device, dtype)
+
+
+def _quantize_with_optimum(name: str, model: PreTrainedModel) -> None:
+    """The ``optimum`` backend: int8 weights through optimum-quanto.
+
+    optimum-quanto is the optimum route that fits our transformers 5 pin
+    (optimum-onnx needs transformers < 4.58, optimum-intel < 5.6). It quarters
+    the weights' memory (fp32 → int8) at some speed cost on CPU; see
+    bench/README.md for the measurement.
+    """
+    try:
+        from optimum.quanto import freeze, qint8, quantize
+    except ImportError as exc:
+        raise ModelLoadError(name, f"backend 'optimum' needs optimum-quanto: {exc}") from exc
+    quantize(model, weights=qint8)
+    freeze(model)
 
 
 # -- sources -----------------------------------------------------------------
@@ -128,12 +142,17 @@ def _load_pretrained(
             return _from_folder(cached, dtype)
         log.info("dequantizing %s (first load; a safetensors copy will be cached)", folder / file)
         tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=file)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), gguf_file=file, dtype=torch.float32
+        )
         _write_cache(
-            cache_dir / name / "model", _gguf_fingerprint(folder / file), model=model, tokenizer=tokenizer
+            cache_dir / name / "model",
+            _gguf_fingerprint(folder / file),
+            model=model,
+            tokenizer=tokenizer,
         )
         if dtype != torch.float32:
-            model.to(dtype)
+            model.to(dtype)  # type: ignore[arg-type]
         return model, tokenizer
     if isinstance(source, LocalSource):
         path = Path(source.path).expanduser()
@@ -155,7 +174,9 @@ def _load_random(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     donor = catalog.get(source.tokenizer_from)
     if donor is None:
-        raise ModelLoadError(name, f"source.tokenizer_from: no model named {source.tokenizer_from!r}")
+        raise ModelLoadError(
+            name, f"source.tokenizer_from: no model named {source.tokenizer_from!r}"
+        )
     tokenizer = load_tokenizer(donor, cache_dir)
     if source.hidden_size % source.num_attention_heads:
         raise ModelLoadError(name, "hidden_size is not a multiple of num_attention_heads")
@@ -180,7 +201,7 @@ def _load_random(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(source.seed)
         model = LlamaForCausalLM(config)
-    model.to(dtype)
+    model.to(dtype)  # type: ignore[arg-type]
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     return model, tokenizer
@@ -199,7 +220,10 @@ def load_tokenizer(definition: ModelDefinition, cache_dir: Path) -> PreTrainedTo
         )
     folder, file = _gguf_location(definition.name, source)
     fingerprint = _gguf_fingerprint(folder / file)
-    for candidate in (cache_dir / definition.name / "model", cache_dir / definition.name / "tokenizer"):
+    for candidate in (
+        cache_dir / definition.name / "model",
+        cache_dir / definition.name / "tokenizer",
+    ):
         cached = _valid_cache(candidate, fingerprint)
         if cached is not None:
             return AutoTokenizer.from_pretrained(str(cached))
@@ -261,19 +285,17 @@ def _write_cache(
         if model is not None:
             # transformers refuses to save a GGUF-quantized model; the weights
             # in memory are already plain dequantized tensors, so drop the marks.
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / MARKER).write_text(json.dumps(fingerprint), encoding="utf-8")
         if folder.exists():
+            # A stale copy (older source or format): move it aside, then drop it.
             stale = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex}"
-            try:
+            with contextlib.suppress(OSError):
                 os.rename(folder, stale)
-            except OSError:
-                stale = None  # type: ignore[assignment]
-            else:
                 shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, folder)
@@ -286,7 +308,9 @@ def _write_cache(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _from_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _from_folder(
+    folder: Path, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     return model, tokenizer

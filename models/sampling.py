@@ -69,9 +69,13 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequest("stop", "each stop string must be a non-empty string")
             if len(s) > MAX_STOP_CHARS:
-                raise InvalidRequest("stop", f"each stop string must be at most {MAX_STOP_CHARS} characters")
+                raise InvalidRequest(
+                    "stop", f"each stop string must be at most {MAX_STOP_CHARS} characters"
+                )
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**63
         ):
             raise InvalidRequest("seed", "must be an integer between 0 and 2**63 - 1")
 

@@ -45,6 +45,22 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(path, folder / path.name)
     late = (folder / "tiny-random.yaml").read_text().replace("name: tiny-random", "name: tiny-late")
     (folder / "tiny-late.yaml").write_text(late)
+    # tiny-recovery: long generations, so a test can kill its worker mid-job.
+    tiny = (folder / "tiny-random.yaml").read_text()
+    recovery = tiny.replace("name: tiny-random", "name: tiny-recovery")
+    (folder / "tiny-recovery.yaml").write_text(
+        recovery.replace("max_new_tokens: 256", "max_new_tokens: 2048")
+    )
+    # tiny-broken: its second pre-start action fails, so no worker ever serves it.
+    broken = tiny.replace("name: tiny-random", "name: tiny-broken") + (
+        "pre_start_actions:\n"
+        "  - action: write_file\n"
+        "    path: prestart/tiny-broken.txt\n"
+        "    body: written before the failing command\n"
+        "  - action: run_command\n"
+        "    args: [sh, -c, 'echo no accelerator here >&2; exit 7']\n"
+    )
+    (folder / "tiny-broken.yaml").write_text(broken)
     return folder
 
 
@@ -60,6 +76,9 @@ def settings(real_services: None, models_dir: Path) -> Settings:
         models_dir=models_dir,
         heartbeat_interval_s=0.5,
         heartbeat_ttl_s=3.0,
+        reaper_interval_s=0.5,
+        max_attempts=2,
+        reconcile_after_s=5.0,
         api_port=farm.free_port(),
         api_workers=2,
     )

@@ -92,6 +92,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
             "SWITCHYARD_API_WORKERS": str(settings.api_workers),
             "SWITCHYARD_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
             "SWITCHYARD_HEARTBEAT_TTL_S": str(settings.heartbeat_ttl_s),
+            "SWITCHYARD_REAPER_INTERVAL_S": str(settings.reaper_interval_s),
+            "SWITCHYARD_MAX_ATTEMPTS": str(settings.max_attempts),
+            "SWITCHYARD_RECONCILE_AFTER_S": str(settings.reconcile_after_s),
+            "SWITCHYARD_WORKER_GRACE_S": str(settings.worker_grace_s),
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         }
@@ -132,9 +136,13 @@ class Process:
         return self.proc.returncode
 
 
-def start_worker(settings: Settings, model: str, log_dir: Path) -> Process:
+def start_worker(
+    settings: Settings, model: str, log_dir: Path, env: dict[str, str] | None = None
+) -> Process:
+    """A worker process for ``model``; ``env`` adds to (or overrides) its environment."""
     argv = [sys.executable, "-m", "workers", "worker", "--model", model]
-    return Process(argv, settings_env(settings), log_dir / f"worker-{model}-{time.time_ns()}.log")
+    full_env = {**settings_env(settings), **(env or {})}
+    return Process(argv, full_env, log_dir / f"worker-{model}-{time.time_ns()}.log")
 
 
 def wait_ready(settings: Settings, model: str, proc: Process, timeout: float = 240) -> str:
@@ -250,3 +258,52 @@ def sse_events(
                 name, _, value = line.partition(": ")
                 fields[name] = value
     return events
+
+
+@contextmanager
+def serve_gunicorn(settings: Settings, log_dir: Path) -> Iterator[str]:
+    """The API under gunicorn, as deployed, on ``settings.api_port``; its base URL."""
+    argv = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        str(PROJECT_ROOT / "api" / "gunicorn_conf.py"),
+        "api:create_app()",
+    ]
+    proc = Process(argv, settings_env(settings), log_dir / f"gunicorn-{time.time_ns()}.log")
+    url = f"http://127.0.0.1:{settings.api_port}"
+    try:
+        wait_http(url + "/healthz")
+        yield url
+    finally:
+        proc.stop()
+
+
+def make_token(
+    settings: Settings,
+    role: str = "user",
+    *,
+    max_concurrent_jobs: int | None = None,
+    requests_per_minute: int | None = None,
+) -> str:
+    """A new user of ``role`` (with these limits) and a token for it, in the test database."""
+    import uuid
+
+    from db.accounts import Accounts
+    from db.schema import Role
+    from db.session import Database
+
+    db = Database(settings.database_url)
+    try:
+        accounts = Accounts(db)
+        name = f"{role}-{uuid.uuid4().hex[:10]}"
+        accounts.add_user(
+            name,
+            Role(role),
+            max_concurrent_jobs=max_concurrent_jobs,
+            requests_per_minute=requests_per_minute,
+        )
+        return accounts.issue_token(name).secret
+    finally:
+        db.dispose()

@@ -1,14 +1,26 @@
-"""Start one worker process for one model: load it, warm it up, then consume its queue.
+"""Start one worker process for one model: pre-start, load, warm up, then consume its queue.
 
 The model is loaded once here, before Celery starts consuming, never at import.
 Celery runs a threads pool with one slot per engine batch slot, so concurrent
 jobs of this process share the engine's forward passes.
+
+Life of a worker, as its heartbeat reports it: ``starting`` (pre-start
+actions, loading, one warm-up generation), ``ready`` (consuming), then
+``draining`` once told to stop, or ``failed`` with the reason (a pre-start
+action or the load failed: exit 3, before any job was taken; the health check
+failed ``max_retries`` times: exit 4).
+
+SIGTERM is Celery's warm shutdown: stop consuming and wait for the running
+tasks, with no bound. The bound is ours: the runner gets ``worker_grace_s``
+to finish, then cancels what is left and re-queues it, so the process exits 0
+within about ``worker_grace_s`` and no job waits for a visibility timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import uuid
 from typing import Any
@@ -22,8 +34,11 @@ from db.session import Database
 from tasks import configure
 from tasks.events import EventLog
 from tasks.generate import serve_with
+from tasks.messages import send_generate
+from tasks.metrics import MetricsStore
 from tasks.queues import queue_name
 from workers.heartbeat import Heartbeat, WorkerReport
+from workers.prestart import PreStartFailed, run_prestart
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +59,13 @@ def run_worker(settings: Settings, model: str) -> int:
     heartbeat = Heartbeat(client, settings, report)
     heartbeat.start()
     try:
+        run_prestart(definition.pre_start_actions, settings.state_dir)
         engine = _start_engine(settings, definition, catalog, report)
+    except PreStartFailed as exc:
+        log.error("worker for %s not started: %s", model, exc)
+        heartbeat.set_state("failed", error=str(exc))
+        heartbeat.stop(forget=False)
+        return 3
     except Exception as exc:
         log.exception("worker for %s failed to start", model)
         heartbeat.set_state("failed", error=f"{type(exc).__name__}: {exc}")
@@ -56,9 +77,11 @@ def run_worker(settings: Settings, model: str) -> int:
         r.tokens_per_s = round(engine.tokens_per_second(), 2)
         r.last_job = runner.last_job
 
+    from workers.health import HealthMonitor
     from workers.runner import JobRunner
 
     db = Database(settings.database_url)
+    app = configure(settings)
     runner = JobRunner(
         settings=settings,
         definition=definition,
@@ -66,17 +89,37 @@ def run_worker(settings: Settings, model: str) -> int:
         jobs=JobStore(db),
         events=EventLog(client, settings),
         worker_id=worker_id,
+        resend=lambda job_id, name: send_generate(app, job_id, name),
+        metrics=MetricsStore(client, settings),
     )
     heartbeat.sample = sample
     serve_with(runner)
-    app = configure(settings)
+    unhealthy: list[str] = []
+
+    def on_unhealthy(reason: str) -> None:
+        unhealthy.append(reason)
+        log.error("worker %s is unhealthy, stopping: %s", worker_id, reason)
+        heartbeat.set_state("failed", error=reason)
+        runner.drain(0)  # its engine is broken: hand its jobs to others at once
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    health = HealthMonitor(
+        engine,
+        definition.health_check,
+        engine.encode_prompt("ping"),
+        on_unhealthy,
+    )
 
     def on_ready(**_: Any) -> None:
         heartbeat.set_state("ready")
+        health.start()
         log.info("worker %s ready on queue %s", worker_id, queue_name(model))
 
     def on_shutdown(**_: Any) -> None:
-        heartbeat.set_state("draining")
+        # Runs in the signal handler: record the deadline, let the jobs' threads act on it.
+        runner.drain(settings.worker_grace_s)
+        if not unhealthy:
+            heartbeat.set_state("draining")
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
@@ -99,11 +142,13 @@ def run_worker(settings: Settings, model: str) -> int:
     try:
         app.worker_main(argv)
     finally:
+        health.stop()
         serve_with(None)
         engine.stop()
-        heartbeat.stop(forget=True)
+        # A failed worker stays listed (as failed, then lost) so operators see why.
+        heartbeat.stop(forget=not unhealthy)
         db.dispose()
-    return 0
+    return 4 if unhealthy else 0
 
 
 def _start_engine(

@@ -5,7 +5,12 @@ switchyard worker --model NAME     one worker process for one model
 switchyard migrate                 apply database migrations
 switchyard user add NAME [--role]  add a user
 switchyard token create --user N   issue an API token (shown once)
+switchyard user list | set NAME     users, roles, per-user limits (workers/account_commands.py)
+switchyard token list | revoke ID  tokens (prefix, expiry, last use; never the secret)
 switchyard models validate         check every model definition
+switchyard models list | workers | reaper   operations (see workers/operator_commands.py)
+switchyard scaler | scale | schedule | status   scaling (see workers/scaling_commands.py)
+switchyard chat [--model M]        terminal chat with a running farm (client/)
 """
 
 from __future__ import annotations
@@ -82,6 +87,43 @@ def _cmd_models_validate(_: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when healthy: the API answers /healthz, or a worker on this host is ready."""
+    if args.worker:
+        import socket
+
+        import redis
+
+        from workers.heartbeat import list_workers
+
+        settings = _settings()
+        host = socket.gethostname()
+        try:
+            workers = list_workers(redis.Redis.from_url(settings.redis_url), settings)
+        except redis.RedisError as exc:
+            print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
+            return 1
+        mine = [w for w in workers if w["host"] == host and not w["lost"]]
+        if any(w["state"] in ("ready", "starting") for w in mine):
+            return 0
+        print(f"unhealthy: no live worker on {host}", file=sys.stderr)
+        return 1
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(args.url.rstrip("/") + "/healthz", timeout=3) as response:
+            return 0 if response.status == 200 else 1
+    except OSError as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from client.chat import run
+
+    return run(args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from workers.launcher import run_local
 
@@ -102,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: SWITCHYARD_DEFAULT_MODEL)")
     p.set_defaults(func=_cmd_worker)
 
+    p = sub.add_parser("healthcheck", help="exit 0 if the API (or this host's worker) is healthy")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="API base URL to probe")
+    p.add_argument("--worker", action="store_true", help="probe this host's worker instead")
+    p.set_defaults(func=_cmd_healthcheck)
+
+    from workers.scaling_commands import register as register_scaling
+
+    register_scaling(sub)
+
     p = sub.add_parser("migrate", help="apply database migrations")
     p.set_defaults(func=_cmd_migrate)
 
@@ -120,11 +171,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=0, help="expire after N days (0: never)")
     p.set_defaults(func=_cmd_token_create)
 
+    from workers.account_commands import register as register_accounts
+
+    register_accounts(users, tokens)
+
     models = sub.add_parser("models", help="model definitions").add_subparsers(
         dest="action", required=True
     )
     p = models.add_parser("validate", help="validate every model definition")
     p.set_defaults(func=_cmd_models_validate)
+
+    from workers.operator_commands import register as register_operations
+
+    register_operations(sub, models)
+
+    from client.chat import add_arguments as add_chat_arguments
+
+    p = sub.add_parser("chat", help="chat with a model of a running farm, in the terminal")
+    add_chat_arguments(p)
+    p.set_defaults(func=_cmd_chat)
     return parser
 
 

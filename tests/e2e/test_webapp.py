@@ -1,0 +1,247 @@
+"""The web app in a real browser: Debian's headless Chromium driven by Playwright.
+
+gunicorn serves the API and the pages; a real tiny-model worker answers.
+Screenshots of each page are written to docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from config import Settings
+from config.settings import PROJECT_ROOT
+from tests import farm
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+expect = playwright_sync.expect
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = PROJECT_ROOT / "docs" / "screenshots"
+WAIT_MS = 60_000
+expect.set_options(timeout=WAIT_MS)
+
+
+@pytest.fixture(scope="module")
+def farm_url(migrated: Settings, log_dir: Path, tiny_worker: farm.Process) -> Iterator[str]:
+    with farm.serve_gunicorn(migrated, log_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        if farm.services_required():
+            pytest.fail("/usr/bin/chromium is missing (apt-get install chromium)", pytrace=False)
+        pytest.skip("/usr/bin/chromium is missing (apt-get install chromium)")
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Any, farm_url: str) -> Iterator[Any]:
+    context = browser.new_context(base_url=farm_url, viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert errors == [], f"JavaScript errors on the page: {errors}"
+
+
+def sign_in(page: Any, token: str, path: str = "/") -> None:
+    page.goto(path)
+    page.get_by_label("API token").fill(token)
+    page.get_by_role("button", name="Sign in", exact=True).click()
+
+
+def shot(page: Any, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+
+
+def job_of(farm_url: str, token: str, job_id: str) -> dict[str, Any]:
+    r = requests.get(
+        f"{farm_url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_job_final(farm_url: str, token: str, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    job = job_of(farm_url, token, job_id)
+    while job["status"] in ("queued", "running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        job = job_of(farm_url, token, job_id)
+    return job
+
+
+# Records the answer bubble's text every time it changes, and whether the
+# answer was still streaming then: tokens seen before "done" show up as
+# non-empty text with streaming=true.
+RECORD_STREAM = """
+() => {
+  window.__seen = [];
+  const list = document.getElementById('messages');
+  new MutationObserver(() => {
+    const answers = list.querySelectorAll('.turn.assistant');
+    const last = answers[answers.length - 1];
+    if (!last) return;
+    window.__seen.push({
+      text: last.querySelector('.bubble-text').textContent,
+      streaming: last.classList.contains('streaming'),
+    });
+  }).observe(list, {subtree: true, childList: true, characterData: true, attributes: true});
+}
+"""
+
+
+def test_wrong_token_shows_the_error(page: Any) -> None:
+    sign_in(page, "sy_not-a-real-token")
+    alert = page.locator("#sign-in-error")
+    expect(alert).to_contain_text("401")
+    expect(alert).to_contain_text("not accepted")
+    expect(page.get_by_label("API token")).to_be_visible()
+    assert page.evaluate("localStorage.getItem('switchyard.token')") is None
+    assert "sy_not-a-real-token" not in page.url
+    shot(page, "sign-in-error.png")
+
+
+def test_chat_streams_then_reopens_after_reload(page: Any, farm_url: str, user_token: str) -> None:
+    sign_in(page, user_token)
+    page.get_by_label("Model").select_option("tiny-random")
+    page.get_by_text("Sampling settings and system prompt").click()
+    page.get_by_label("Max tokens").fill("200")
+    page.get_by_label("Temperature").fill("0.7")
+    page.evaluate(RECORD_STREAM)
+
+    page.get_by_label("Message", exact=True).fill("Tell me about foxes in winter.")
+    page.get_by_label("Message", exact=True).press("Enter")
+
+    answer = page.locator(".turn.assistant").last
+    expect(answer).to_have_attribute("data-job-id", re.compile(r"[0-9a-f-]{36}"))
+    expect(page.locator(".turn.assistant.streaming")).to_have_count(0)
+    job_id = answer.get_attribute("data-job-id")
+    final_text = answer.locator(".bubble-text").text_content()
+    assert final_text
+
+    # The answer came over the page's one multiplexed websocket (/v1/ws).
+    assert page.evaluate("state.transport.constructor.name") == "MuxTransport"
+    seen = page.evaluate("window.__seen")
+    during = [s["text"] for s in seen if s["streaming"] and s["text"]]
+    assert during, "no token was shown before the answer was done"
+    assert len(during[0]) < len(final_text)
+
+    job = wait_job_final(farm_url, user_token, job_id)
+    assert job["status"] == "succeeded" and job["output_text"] == final_text
+    assert job["params"]["max_new_tokens"] == 200 and job["params"]["temperature"] == 0.7
+    shot(page, "chat.png")
+
+    page.reload()
+    chat_link = page.locator(".chat-link", has_text="Tell me about foxes in winter.")
+    expect(chat_link).to_be_visible()
+    chat_link.click()
+    expect(page.locator(".turn.user .bubble-text")).to_have_text(["Tell me about foxes in winter."])
+    expect(page.locator(".turn.assistant .bubble-text")).to_have_text([final_text])
+    page.get_by_text("Sampling settings and system prompt").click()
+    expect(page.get_by_label("Max tokens")).to_have_value("200")
+
+    # A second turn carries the first one as context.
+    page.get_by_label("Message", exact=True).fill("And in summer?")
+    page.get_by_role("button", name="Send", exact=True).click()
+    expect(page.locator(".turn.assistant")).to_have_count(2)
+    expect(page.locator(".turn.assistant.streaming")).to_have_count(0)
+    second = page.locator(".turn.assistant").last.get_attribute("data-job-id")
+    sent = wait_job_final(farm_url, user_token, second)
+    assert sent["status"] == "succeeded"
+
+    page.set_viewport_size({"width": 390, "height": 844})
+    shot(page, "chat-phone.png")
+
+
+def test_queue_position_then_stop(page: Any, farm_url: str, user_token: str) -> None:
+    # tiny-late has no worker: the job waits in the queue until it is stopped.
+    sign_in(page, user_token)
+    page.get_by_role("button", name="New chat", exact=True).click()
+    page.get_by_label("Model").select_option("tiny-late")
+    page.get_by_label("Message", exact=True).fill("Are you there?")
+    page.get_by_role("button", name="Send", exact=True).click()
+    status = page.locator("#queue-status")
+    expect(status).to_contain_text(re.compile(r"queue"))
+    answer = page.locator(".turn.assistant").last
+    job_id = answer.get_attribute("data-job-id")
+    assert job_id
+    shot(page, "chat-queued.png")
+
+    stop = page.get_by_role("button", name="Stop", exact=True)
+    expect(stop).to_be_enabled()
+    stop.click()
+    expect(answer).to_contain_text("Stopped.")
+    expect(page.get_by_role("button", name="Send", exact=True)).to_be_enabled()
+    assert wait_job_final(farm_url, user_token, job_id)["status"] == "cancelled"
+
+
+def test_rename_and_delete_a_chat(page: Any, user_token: str) -> None:
+    sign_in(page, user_token)
+    page.get_by_role("button", name="New chat", exact=True).click()
+    page.get_by_label("Model").select_option("tiny-random")
+    page.get_by_label("Message", exact=True).fill("A chat to rename")
+    page.get_by_role("button", name="Send", exact=True).click()
+    expect(page.locator(".turn.assistant")).to_have_count(1)
+    expect(page.locator(".turn.assistant.streaming")).to_have_count(0)
+    page.get_by_role("button", name="Rename chat", exact=True).click()
+    page.get_by_label("Chat title").fill("Renamed chat")
+    page.get_by_role("button", name="Save", exact=True).click()
+    expect(page.locator(".chat-link", has_text="Renamed chat")).to_be_visible()
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Delete chat", exact=True).click()
+    expect(page.locator(".chat-link", has_text="Renamed chat")).to_have_count(0)
+
+
+def test_operator_page_shows_models_and_workers(page: Any, admin_token: str) -> None:
+    sign_in(page, admin_token, "/ops")
+    card = page.locator('[data-model="tiny-random"]')
+    expect(card).to_be_visible()
+    expect(card.get_by_role("table")).to_contain_text("ready")
+    expect(card).to_contain_text("Ready replicas")
+    expect(card).to_contain_text("Queue depth")
+    shot(page, "ops.png")
+
+    late = page.locator('[data-model="tiny-late"]')
+    late.get_by_label("Replicas").fill("1")
+    late.get_by_role("button", name="Scale", exact=True).click()
+    expect(late).to_contain_text("manual: 1")
+    late.get_by_role("button", name="Back to automatic").click()
+    expect(late).to_contain_text("automatic")
+    expect(late).not_to_contain_text("manual: 1")
+    page.set_viewport_size({"width": 390, "height": 844})
+    shot(page, "ops-phone.png")
+
+
+def test_operator_page_refuses_a_plain_user(page: Any, user_token: str) -> None:
+    sign_in(page, user_token, "/ops")
+    expect(page.locator("#sign-in-error")).to_contain_text("403")

@@ -1,0 +1,76 @@
+"""The farm benchmark still runs end to end (tiny model, one client, a few tokens).
+
+No timing is asserted: it checks that every phase produced its rows and that
+every request came back with tokens, so the program cannot rot unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from config import Settings
+from config.settings import PROJECT_ROOT
+
+
+def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
+    # A model of its own: no worker of another test may take its jobs.
+    models = tmp_path / "models"
+    models.mkdir()
+    for path in migrated.models_dir.glob("*.yaml"):  # tiny-random takes smollm2's tokenizer
+        (models / path.name).write_text(path.read_text())
+    tiny = (migrated.models_dir / "tiny-random.yaml").read_text()
+    (models / "tiny-bench.yaml").write_text(tiny.replace("name: tiny-random", "name: tiny-bench"))
+    out = tmp_path / "bench.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--model",
+        "tiny-bench",
+        "--concurrency",
+        "1",
+        "--requests-per-client",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--subscribers",
+        "3",
+        "--no-peer",
+        "--database-url",
+        migrated.database_url,
+        "--redis-url",
+        migrated.redis_url,
+        # The session's own prefix: its API's reaper then sees the bench
+        # worker's heartbeat and leaves the bench's running jobs alone.
+        "--redis-prefix",
+        migrated.redis_prefix,
+        "--models-dir",
+        str(models),
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(
+        argv, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=280, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {row["system"]: row for row in report["rows"]}
+    assert set(rows) == {"engine", "farm/ws"}
+    for row in rows.values():
+        assert row["requests"] == 1 and row["errors"] == 0
+        assert 1 <= row["tokens"] <= 4
+    assert report["worker_rss_loaded"] > 0
+    assert report["subscribers"]["opened"] == 3
+    assert "farm / engine tok/s at 8 clients" in result.stdout
+    # Every process the benchmark started is gone.
+    leftovers = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] and "tiny-bench" in " ".join(p.info["cmdline"])
+    ]
+    assert leftovers == []

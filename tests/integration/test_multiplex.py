@@ -1,0 +1,220 @@
+"""``WS /v1/ws``: many requests on one socket, cancel, detach and re-attach, auth."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import requests
+import websocket
+
+from config import Settings
+from tests import farm
+
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def token(migrated: Settings) -> str:
+    return farm.make_token(migrated, max_concurrent_jobs=0, requests_per_minute=0)
+
+
+def connect(api_url: str, token: str | None = None, **kwargs: Any) -> websocket.WebSocket:
+    url = api_url.replace("http", "ws", 1) + "/v1/ws"
+    headers = [f"Authorization: Bearer {token}"] if token else []
+    return websocket.create_connection(url, header=headers, timeout=120, **kwargs)
+
+
+def frames_until(ws: websocket.WebSocket, done: set[str]) -> list[dict[str, Any]]:
+    """Frames until every request id in ``done`` got its final frame."""
+    frames = []
+    pending = set(done)
+    while pending:
+        frame = json.loads(ws.recv())
+        frames.append(frame)
+        if frame["type"] in ("done", "error") and frame.get("id") in pending:
+            pending.discard(frame["id"])
+    return frames
+
+
+def job_status(api_url: str, token: str, job_id: str, final: bool = True) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        r = requests.get(
+            f"{api_url}/v1/jobs/{job_id}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        job = dict(r.json())
+        if not final or job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+
+
+def test_two_concurrent_requests_and_a_cancel_on_one_socket(
+    api_url: str, token: str, tiny_worker: farm.Process
+) -> None:
+    ws = connect(api_url, token)
+    try:
+        ws.send(json.dumps({"type": "ping"}))
+        assert json.loads(ws.recv())["type"] == "pong"
+        for rid, n in (("a", 24), ("b", 256)):
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": rid,
+                        "model": "tiny-random",
+                        "messages": CHAT,
+                        "params": {"max_new_tokens": n, "temperature": 0},
+                    }
+                )
+            )
+        frames: list[dict[str, Any]] = []
+        # Cancel "b" once it has produced some text.
+        while not any(f["type"] == "token" and f["id"] == "b" for f in frames):
+            frames.append(json.loads(ws.recv()))
+        ws.send(json.dumps({"type": "cancel", "id": "b"}))
+        frames += frames_until(ws, {"a", "b"})
+    finally:
+        ws.close()
+    by_id: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for f in frames:
+        by_id[f["id"]].append(f)
+    for rid, own in by_id.items():
+        assert own[0]["type"] == "queued" and own[0]["position"] >= 0, rid
+        text = "".join(f["text"] for f in own if f["type"] == "token")
+        assert own[-1]["type"] == "done"
+        assert own[-1]["text"] == text
+    assert by_id["a"][-1]["finish_reason"] in ("length", "eos_token")
+    assert by_id["b"][-1]["finish_reason"] == "cancelled"
+    job_b = job_status(api_url, token, by_id["b"][0]["job_id"])
+    assert job_b["status"] == "cancelled"
+
+
+def test_bad_frames_get_error_frames_and_the_socket_stays(api_url: str, token: str) -> None:
+    ws = connect(api_url, token)
+    try:
+        ws.send("not json")
+        assert json.loads(ws.recv())["status"] == 400
+        ws.send(json.dumps({"type": "generate", "id": "x", "model": "tiny-random"}))
+        error = json.loads(ws.recv())
+        assert error["type"] == "error" and error["id"] == "x" and error["status"] == 422
+        ws.send(json.dumps({"type": "generate", "id": "y", "model": "nope", "prompt": "hi"}))
+        error = json.loads(ws.recv())
+        assert error["status"] == 404 and error["field"] == "model"
+        ws.send(json.dumps({"type": "cancel", "id": "never"}))
+        assert json.loads(ws.recv())["status"] == 404
+        ws.send(json.dumps({"type": "launch"}))
+        assert json.loads(ws.recv())["field"] == "type"
+        ws.send(json.dumps({"type": "ping", "id": "still-here"}))
+        assert json.loads(ws.recv()) == {"type": "pong", "id": "still-here"}
+    finally:
+        ws.close()
+
+
+def test_closing_cancels_but_a_detached_job_can_be_reattached(
+    api_url: str, token: str, tiny_worker: farm.Process
+) -> None:
+    ws = connect(api_url, token)
+    try:
+        for rid, detach in (("kept", True), ("dropped", False)):
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": rid,
+                        # tiny-late has no worker: both jobs wait in the queue.
+                        "model": "tiny-late",
+                        "prompt": "hello",
+                        "params": {"max_new_tokens": 4},
+                        "detach": detach,
+                    }
+                )
+            )
+        queued = {}
+        while len(queued) < 2:
+            frame = json.loads(ws.recv())
+            if frame["type"] == "queued":
+                queued[frame["id"]] = frame["job_id"]
+    finally:
+        ws.close()
+    assert job_status(api_url, token, queued["dropped"])["status"] == "cancelled"
+    time.sleep(1.0)
+    kept = job_status(api_url, token, queued["kept"], final=False)
+    assert kept["status"] == "queued"
+    # The page comes back: re-attach, then cancel through the job resource.
+    requests.delete(
+        f"{api_url}/v1/jobs/{queued['kept']}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+    events = farm.ws_events(api_url, queued["kept"], token)
+    assert [e["type"] for e in events] == ["queued", "done"]
+
+
+def test_websocket_auth(api_url: str, token: str, tiny_worker: farm.Process) -> None:
+    # No token: a private model is refused, per request, with a 401 frame.
+    ws = connect(api_url)
+    try:
+        ws.send(json.dumps({"type": "generate", "id": "r", "model": "tiny-random", "prompt": "hi"}))
+        frame = json.loads(ws.recv())
+        assert frame["type"] == "error" and frame["status"] == 401 and frame["id"] == "r"
+    finally:
+        ws.close()
+    # A browser's way: the token as a subprotocol, never in the URL.
+    ws = connect(api_url, subprotocols=["switchyard", f"bearer.{token}"])
+    try:
+        assert ws.getsubprotocol() == "switchyard"
+        ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "r",
+                    "model": "tiny-random",
+                    "prompt": "hi",
+                    "params": {"max_new_tokens": 4},
+                }
+            )
+        )
+        frames = frames_until(ws, {"r"})
+        assert frames[-1]["type"] == "done"
+    finally:
+        ws.close()
+    # A bad token closes the socket with a policy violation.
+    ws = connect(api_url, "sy_wrong")
+    try:
+        assert json.loads(ws.recv())["status"] == 401
+        opcode, close = ws.recv_data_frame(True)
+        assert opcode == websocket.ABNF.OPCODE_CLOSE
+        assert int.from_bytes(close.data[:2], "big") == 1008
+    finally:
+        ws.close()
+
+
+def test_queue_position_is_sent_again_when_it_changes(api_url: str, token: str) -> None:
+    ws = connect(api_url, token)
+    try:
+        for rid in ("first", "second"):
+            ws.send(
+                json.dumps({"type": "generate", "id": rid, "model": "tiny-late", "prompt": "hello"})
+            )
+        positions: dict[str, list[int]] = {"first": [], "second": []}
+        while not (positions["first"] and positions["second"]):
+            frame = json.loads(ws.recv())
+            if frame["type"] == "queued":
+                positions[frame["id"]].append(frame["position"])
+        assert positions["second"][0] == positions["first"][0] + 1
+        ws.send(json.dumps({"type": "cancel", "id": "first"}))
+        while len(positions["second"]) < 2:
+            frame = json.loads(ws.recv())
+            if frame["type"] == "queued":
+                positions[frame["id"]].append(frame["position"])
+        assert positions["second"][1] == positions["second"][0] - 1
+        ws.send(json.dumps({"type": "cancel", "id": "second"}))
+        frames_until(ws, {"second"})
+    finally:
+        ws.close()

@@ -1,0 +1,343 @@
+"""Recovery through real processes: kill -9 and SIGTERM workers mid-job, lose broker messages.
+
+The session's API runs the reaper (every 0.5 s, ``max_attempts = 2``,
+``reconcile_after_s = 5``, heartbeat TTL 3 s; see conftest). Workers serve
+``tiny-recovery``, a tiny random model allowed long generations, so a job is
+still generating when its worker is killed.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+
+from config import Settings
+from tasks.events import EventLog
+from tasks.messages import BrokerView, queue_keys
+from tests import farm
+from workers.heartbeat import list_workers
+
+MODEL = "tiny-recovery"
+CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def submit(api_url: str, token: str, max_new_tokens: int, model: str = MODEL) -> str:
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+    }
+    r = requests.post(f"{api_url}/v1/jobs", json=body, headers=auth(token), timeout=30)
+    assert r.status_code == 202, r.text
+    return str(r.json()["id"])
+
+
+def get_job(api_url: str, token: str, job_id: str) -> dict[str, Any]:
+    r = requests.get(f"{api_url}/v1/jobs/{job_id}", headers=auth(token), timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_for(what: str, check: Any, timeout: float = 120, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_final(api_url: str, token: str, job_id: str, timeout: float = 180) -> dict[str, Any]:
+    return dict(
+        wait_for(
+            f"job {job_id} to end",
+            lambda: (
+                (j := get_job(api_url, token, job_id))["status"]
+                in ("succeeded", "failed", "cancelled")
+                and j
+            ),
+            timeout,
+        )
+    )
+
+
+class Workers:
+    """Worker processes of one model, found by the id their heartbeat reports."""
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.procs: dict[str, farm.Process] = {}
+
+    def start(self, env: dict[str, str] | None = None) -> str:
+        proc = farm.start_worker(self.settings, MODEL, self.log_dir, env)
+        worker_id = farm.wait_ready(self.settings, MODEL, proc)
+        self.procs[worker_id] = proc
+        return worker_id
+
+    def alive(self) -> list[str]:
+        return [i for i, p in self.procs.items() if p.alive()]
+
+    def kill(self, worker_id: str) -> None:
+        proc = self.procs[worker_id]
+        proc.proc.send_signal(signal.SIGKILL)
+        proc.proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(migrated: Settings, log_dir: Path) -> Iterator[Workers]:
+    pool = Workers(migrated, log_dir)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def stream_in_background(api_url: str, job_id: str, token: str) -> tuple[threading.Thread, list]:
+    """A websocket client reading the job's events from now on, in a thread."""
+    box: list[list[dict[str, Any]]] = []
+    thread = threading.Thread(
+        target=lambda: box.append(farm.ws_events(api_url, job_id, token, timeout=240)),
+        daemon=True,
+    )
+    thread.start()
+    return thread, box
+
+
+def tokens_after_last_restart(events: EventLog, job_id: str) -> int:
+    history = events.history(job_id)
+    restarts = [i for i, e in enumerate(history) if e.type == "restart"]
+    start = restarts[-1] + 1 if restarts else 0
+    return sum(1 for e in history[start:] if e.type == "token")
+
+
+def running_on(api_url: str, token: str, job_id: str, attempts: int) -> str | None:
+    job = get_job(api_url, token, job_id)
+    if job["status"] == "running" and job["attempts"] == attempts and job["worker"]:
+        return str(job["worker"])
+    return None
+
+
+def assert_gapless(events: list[dict[str, Any]]) -> None:
+    assert [e["seq"] for e in events] == list(range(len(events)))
+
+
+def test_kill_9_mid_job_restarts_it_on_another_worker_and_the_stream_stays_whole(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
+) -> None:
+    first, second = workers.start(), workers.start()
+    events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
+    # Long enough (~15 s here) that the kill lands mid-generation on a faster machine too.
+    job_id = submit(api_url, user_token, max_new_tokens=800)
+    reader, frames = stream_in_background(api_url, job_id, user_token)
+
+    victim = wait_for("the job to run", lambda: running_on(api_url, admin_token, job_id, 1))
+    wait_for("its first tokens", lambda: tokens_after_last_restart(events, job_id) >= 2)
+    survivor = second if victim == first else first
+    workers.kill(victim)
+
+    reader.join(timeout=240)
+    assert frames, "the websocket client got nothing"
+    stream = frames[0]
+    assert_gapless(stream)
+    types = [e["type"] for e in stream]
+    assert types.count("restart") == 1 and types.count("started") == 2
+    restart = types.index("restart")
+    assert types[:2] == ["queued", "started"] and "token" in types[2:restart]
+    assert stream[restart]["reason"] == "worker lost"
+    assert stream[restart]["worker"] == victim
+    assert types[restart + 1] == "started" and stream[restart + 1]["attempt"] == 2
+    assert types[-1] == "done" and set(types[restart + 2 : -1]) == {"token"}
+    # The client keeps the text after the restart: the second attempt's, whole.
+    second_text = "".join(e["text"] for e in stream[restart:] if e["type"] == "token")
+    assert stream[-1]["text"] == second_text
+
+    job = wait_final(api_url, user_token, job_id)
+    assert job["status"] == "succeeded"
+    assert job["attempts"] == 2
+    assert job["worker"] == survivor
+    assert job["output_text"] == second_text
+    assert job["usage"]["completion_tokens"] == 800
+
+    # Operators see the killed worker as lost, no longer counted.
+    r = requests.get(f"{api_url}/v1/admin/workers", headers=auth(admin_token), timeout=30)
+    assert r.status_code == 200, r.text
+    listed = {w["id"]: w for w in r.json()["workers"]}
+    assert listed[victim]["status"] == "lost" and listed[victim]["lost"] is True
+    assert listed[survivor]["status"] == "ready" and listed[survivor]["lost"] is False
+    model = next(m for m in r.json()["models"] if m["model"] == MODEL)
+    assert model["replicas_ready"] == 1
+
+
+def test_redis_redelivery_of_the_dead_workers_message_is_dropped(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
+) -> None:
+    """The killed worker never acked its message; when Redis re-delivers it, the claim drops it."""
+    from kombu import Connection
+
+    client = redis.Redis.from_url(migrated.redis_url)
+    broker = BrokerView(client)
+    events = EventLog(client, migrated)
+    finished = [
+        i
+        for i in broker.unacked_ids()
+        if get_job(api_url, admin_token, i)["status"] == "succeeded"
+        and get_job(api_url, admin_token, i)["model"] == MODEL
+    ]
+    assert finished, "the killed worker's unacknowledged message should still be in Redis"
+    job_id = finished[0]
+    before = get_job(api_url, admin_token, job_id)
+    history = events.history(job_id)
+
+    # What kombu does once the visibility timeout passed, with the timeout at zero.
+    with Connection(migrated.redis_url, transport_options={"visibility_timeout": 0}) as conn:
+        conn.default_channel.qos.restore_visible(num=1000, interval=1)
+    # The surviving worker takes the message again, loses the claim and acks it.
+    wait_for(
+        "the re-delivered message to be consumed",
+        lambda: job_id not in broker.unacked_ids() and job_id not in broker.waiting_ids(MODEL),
+        timeout=60,
+    )
+    time.sleep(1.0)
+    after = get_job(api_url, admin_token, job_id)
+    assert after["status"] == "succeeded"
+    assert after["attempts"] == before["attempts"] == 2
+    assert after["output_text"] == before["output_text"]
+    assert events.history(job_id) == history
+
+
+def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
+) -> None:
+    assert migrated.max_attempts == 2
+    while len(workers.alive()) < 2:
+        workers.start()
+    events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
+    job_id = submit(api_url, user_token, max_new_tokens=800)
+    for attempt in (1, 2):
+        worker = wait_for(
+            f"attempt {attempt} to run",
+            lambda a=attempt: running_on(api_url, admin_token, job_id, a),
+        )
+        wait_for("tokens", lambda: tokens_after_last_restart(events, job_id) >= 2)
+        workers.kill(worker)
+
+    job = wait_final(api_url, user_token, job_id)
+    assert job["status"] == "failed"
+    assert job["error"] == "worker lost 2 times"
+    stream = farm.ws_events(api_url, job_id, user_token)
+    assert_gapless(stream)
+    assert [e["type"] for e in stream].count("restart") == 1
+    assert stream[-1]["type"] == "error" and stream[-1]["error"] == "worker lost 2 times"
+    # Nothing is left running on a worker that is gone.
+    counts = requests.get(f"{api_url}/v1/models", timeout=30).json()["data"]
+    assert next(m for m in counts if m["id"] == MODEL)["state"]["running"] == 0
+
+
+def test_sigterm_lets_a_running_job_finish_within_the_grace_period(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
+) -> None:
+    assert migrated.worker_grace_s >= 20
+    worker = workers.start()
+    job_id = submit(api_url, user_token, max_new_tokens=120)
+    wait_for("the job to run", lambda: running_on(api_url, admin_token, job_id, 1) == worker)
+    proc = workers.procs[worker]
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=60) == 0, proc.log()[-3000:]
+    job = wait_final(api_url, user_token, job_id)
+    assert job["status"] == "succeeded" and job["attempts"] == 1 and job["worker"] == worker
+    assert job["usage"]["completion_tokens"] == 120
+    types = [e["type"] for e in farm.ws_events(api_url, job_id, user_token)]
+    assert "restart" not in types and types[-1] == "done"
+    # A worker that stopped cleanly leaves the registry (it is not "lost").
+    assert worker not in {w["id"] for w in list_workers(workers.redis, migrated)}
+
+
+def test_sigterm_past_the_grace_period_requeues_the_job_which_completes_elsewhere(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
+) -> None:
+    events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
+    # No grace at all: the job is re-queued the moment the worker is told to stop,
+    # however fast this machine generates (the tiny model can finish 600 tokens in 1 s).
+    worker = workers.start(env={"SWITCHYARD_WORKER_GRACE_S": "0"})
+    job_id = submit(api_url, user_token, max_new_tokens=2048)
+    wait_for("the job to run", lambda: running_on(api_url, admin_token, job_id, 1) == worker)
+    wait_for("tokens", lambda: tokens_after_last_restart(events, job_id) >= 2)
+    proc = workers.procs[worker]
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=60) == 0, proc.log()[-3000:]
+
+    queued = get_job(api_url, user_token, job_id)
+    assert queued["status"] == "queued" and queued["worker"] is None
+    restart = [e for e in events.history(job_id) if e.type == "restart"]
+    assert len(restart) == 1 and restart[0].fields["reason"] == "worker draining"
+
+    other = workers.start()
+    job = wait_final(api_url, user_token, job_id)
+    assert job["status"] == "succeeded" and job["worker"] == other
+    assert job["attempts"] == 1  # a drain gives its attempt back
+    stream = farm.ws_events(api_url, job_id, user_token)
+    assert_gapless(stream)
+    types = [e["type"] for e in stream]
+    assert types.count("restart") == 1 and types.count("started") == 2
+    assert types[-1] == "done"
+
+
+def test_a_queued_job_whose_broker_message_vanished_is_sent_again(
+    api_url: str, user_token: str, migrated: Settings
+) -> None:
+    """As after a Redis restart without persistence: the row is queued, the message gone."""
+    client = redis.Redis.from_url(migrated.redis_url)
+    broker = BrokerView(client)
+    model = "tiny-late"  # no worker serves it here, so its message waits in the queue
+    job_id = submit(api_url, user_token, max_new_tokens=8, model=model)
+    assert job_id in broker.waiting_ids(model)
+    client.delete(*queue_keys(model))
+    assert job_id not in broker.waiting_ids(model)
+    wait_for(
+        "the reaper to send it again",
+        lambda: job_id in broker.waiting_ids(model),
+        timeout=migrated.reconcile_after_s + 30,
+    )
+    assert get_job(api_url, user_token, job_id)["status"] == "queued"
+
+
+def test_admin_workers_route_is_for_operators_only(
+    api_url: str, user_token: str, admin_token: str, migrated: Settings
+) -> None:
+    from db.accounts import Accounts
+    from db.schema import Role
+    from db.session import Database
+
+    r = requests.get(f"{api_url}/v1/admin/workers", headers=auth(user_token), timeout=30)
+    assert r.status_code == 403 and r.json()["error_type"] == "forbidden"
+    r = requests.get(f"{api_url}/v1/admin/workers", timeout=30)
+    assert r.status_code == 401
+    db = Database(migrated.database_url)
+    try:
+        accounts = Accounts(db)
+        accounts.add_user("ops-recovery", Role.operator)
+        token = accounts.issue_token("ops-recovery").secret
+    finally:
+        db.dispose()
+    r = requests.get(f"{api_url}/v1/admin/workers", headers=auth(token), timeout=30)
+    assert r.status_code == 200
+    assert {"workers", "models"} <= set(r.json())

@@ -1,0 +1,158 @@
+"""Loading models from the catalog: sources, the converted-copy cache, errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from config import Catalog, ModelDefinition
+from models.engine import Engine, GenerationRequest, SamplingParams
+from models.errors import ModelLoadError
+from models.loader import (
+    MARKER,
+    LoadedModel,
+    _valid_cache,
+    _write_cache,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+
+
+def definition(**fields: Any) -> ModelDefinition:
+    return ModelDefinition.model_validate({"name": "x", **fields})
+
+
+def test_tiny_random_model_is_ready_and_built_from_its_seed(
+    tiny: LoadedModel, catalog: Catalog, model_cache_dir: Path
+) -> None:
+    assert tiny.name == "tiny-random"
+    assert (tiny.device, tiny.dtype) == (torch.device("cpu"), torch.float32)
+    assert not tiny.model.training
+    assert tiny.model.config.vocab_size == len(tiny.tokenizer)
+    assert tiny.model.config.eos_token_id == tiny.tokenizer.eos_token_id
+    assert "<|im_start|>" in (tiny.tokenizer.chat_template or "")
+
+    rng = torch.get_rng_state()
+    again = load_model(catalog["tiny-random"], catalog, model_cache_dir)
+    assert torch.equal(torch.get_rng_state(), rng), "loading reseeded the caller's RNG"
+    for a, b in zip(tiny.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_auto_device_and_dtype_on_this_machine() -> None:
+    device = resolve_device("auto")
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"source": {"kind": "local", "path": "/no/such/folder"}}, "not a folder"),
+        (
+            {"source": {"kind": "gguf", "package": "no_such_package_xyz", "file": "a.gguf"}},
+            "not installed",
+        ),
+        ({"source": {"kind": "gguf", "path": "/tmp", "file": "missing.gguf"}}, "not found"),
+        ({"source": {"kind": "hub", "id": "nobody/not-in-the-cache-xyz"}}, "x:"),
+        ({"source": {"kind": "random", "tokenizer_from": "nowhere"}}, "tokenizer_from"),
+    ],
+)
+def test_bad_sources_raise_a_load_error_naming_the_model(
+    catalog: Catalog, tmp_path: Path, fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(definition(**fields), catalog, tmp_path)
+    assert caught.value.model == "x"
+    assert message in str(caught.value)
+
+
+def test_cache_is_written_atomically_and_stale_copies_are_replaced(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    folder = tmp_path / "m" / "tokenizer"
+    fingerprint = {"format": 1, "source": "s", "size": 1, "mtime_ns": 1}
+    threads = [
+        threading.Thread(
+            target=_write_cache, args=(folder, fingerprint), kwargs={"tokenizer": tiny.tokenizer}
+        )
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _valid_cache(folder, fingerprint) == folder
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["tokenizer"], "temp folders left"
+
+    newer = {**fingerprint, "mtime_ns": 2}
+    assert _valid_cache(folder, newer) is None
+    _write_cache(folder, newer, tokenizer=tiny.tokenizer)
+    assert json.loads((folder / MARKER).read_text()) == newer
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["tokenizer"]
+
+
+def test_smollm2_from_gguf_answers_paris_and_reloads_from_its_cache(
+    catalog: Catalog, model_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model end to end (dequantizes once, ~20 s, then loads the cached copy)."""
+    loaded = load_model(catalog["smollm2-135m"], catalog, model_cache_dir)
+    assert (model_cache_dir / "smollm2-135m" / "model" / MARKER).is_file()
+
+    engine = Engine(loaded, max_batch_size=2, max_input_tokens=2048)
+    engine.start()
+    try:
+        ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        finish = engine.generate(
+            GenerationRequest("paris", ids, SamplingParams(max_new_tokens=16, temperature=0))
+        )
+    finally:
+        engine.stop()
+    assert "Paris" in finish.text, finish.text
+    del engine, loaded
+
+    import models.loader
+
+    calls: list[dict[str, Any]] = []
+    original = models.loader.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(models.loader.AutoModelForCausalLM, "from_pretrained", spy)
+    again = load_model(catalog["smollm2-135m"], catalog, model_cache_dir)
+    assert calls and all("gguf_file" not in c for c in calls), "the cached copy was not used"
+    assert again.model.config.model_type == "llama"
+    assert not hasattr(again.model.config, "quantization_config")
+
+
+def test_optimum_backend_quantizes_weights_and_still_generates(
+    catalog: Catalog, model_cache_dir: Path
+) -> None:
+    from optimum.quanto import QModuleMixin
+
+    base = catalog["tiny-random"]
+    quantized = base.model_copy(update={"backend": "optimum"})
+    loaded = load_model(quantized, catalog, model_cache_dir)
+    layers = [m for m in loaded.model.modules() if isinstance(m, QModuleMixin)]
+    assert layers, "no layer was quantized"
+    engine = Engine(loaded, max_batch_size=2, max_input_tokens=512)
+    engine.start()
+    try:
+        ids = engine.encode_chat([{"role": "user", "content": "hello"}])
+        params = SamplingParams(max_new_tokens=6, temperature=0)
+        first = engine.generate(GenerationRequest("a", ids, params))
+        second = engine.generate(GenerationRequest("b", ids, params))
+    finally:
+        engine.stop()
+    assert first.finish_reason in ("length", "eos_token")
+    assert first.completion_tokens > 0 and first.text == second.text

@@ -1,0 +1,267 @@
+"""The local executor: one worker process per replica on this machine.
+
+* **Start**: ``workers.launcher.worker_command(model)``, in a session of its
+  own (a Ctrl-C reaches the scaler, which then drains its workers in order).
+  When GPUs are listed (``CUDA_VISIBLE_DEVICES``) each replica gets one of
+  them, and a model cannot have more replicas than there are free GPUs.
+* **Drain**: scale-down sends SIGTERM, which is Celery's warm shutdown: the
+  worker stops consuming, finishes its running jobs, then exits. Only a worker
+  still alive ``drain_grace_s`` later is killed. The replicas drained first
+  are those still starting, then the least busy (from their heartbeats), then
+  the newest.
+* **Crashes**: a worker that exits without being asked to is replaced after a
+  backoff that doubles per consecutive crash (``restart_backoff_s`` up to
+  ``restart_backoff_max_s``), so a model that cannot start costs one attempt
+  per backoff period, not a restart loop. A worker that ran longer than the
+  longest backoff before crashing starts the count afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from config import Settings
+from config.settings import PROJECT_ROOT
+from workers.heartbeat import list_workers
+from workers.launcher import worker_command
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    """One worker process this executor started."""
+
+    model: str
+    proc: subprocess.Popen[bytes]
+    gpu: str | None
+    started_at: float
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+    draining_since: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def view(self, now: float) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "pid": self.pid,
+            "gpu": self.gpu,
+            "state": "draining" if self.draining_since is not None else "running",
+            "uptime_s": round(now - self.started_at, 1),
+        }
+
+
+class LocalExecutor:
+    """Starts, supervises, drains and stops worker processes on this machine."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        client: redis.Redis | None = None,
+        env: Mapping[str, str] | None = None,
+        log_dir: Path | None = None,
+        command: Callable[[str], list[str]] = worker_command,
+        clock: Callable[[], float] = time.monotonic,
+        stop_grace_s: float | None = None,
+    ) -> None:
+        self.settings = settings
+        # How long close() lets workers drain; the launcher's Ctrl-C wants less.
+        self.stop_grace_s = settings.drain_grace_s if stop_grace_s is None else stop_grace_s
+        self.client = client
+        # Children inherit this process's environment unless given one.
+        self.env = dict(env) if env is not None else dict(os.environ)
+        self.log_dir = log_dir
+        self.command = command
+        self.clock = clock
+        self.gpus = [g.strip() for g in settings.cuda_visible_devices.split(",") if g.strip()]
+        self._replicas: dict[str, list[Replica]] = {}
+        self._desired: dict[str, int] = {}
+        self._crashes: dict[str, int] = {}
+        self._not_before: dict[str, float] = {}
+
+    # --- the executor interface -------------------------------------------------------
+
+    def apply(self, model: str, replicas: int) -> None:
+        self._desired[model] = max(0, replicas)
+        self._reap()
+        self._reconcile(model)
+
+    def poll(self) -> None:
+        self._reap()
+        self._kill_overdue()
+        for model in list(self._desired):
+            self._reconcile(model)
+
+    def replicas(self) -> dict[str, int]:
+        return {m: len(self._serving(m)) for m in self._desired}
+
+    def processes(self) -> list[dict[str, Any]]:
+        """Every process this executor runs, draining ones included."""
+        now = self.clock()
+        return [r.view(now) for rs in self._replicas.values() for r in rs]
+
+    def close(self) -> None:
+        """Drain every worker: SIGTERM, wait up to ``stop_grace_s``, then SIGKILL."""
+        self._desired = {m: 0 for m in self._desired}
+        everyone = [r for rs in self._replicas.values() for r in rs]
+        for r in everyone:
+            self._drain(r, "the scaler is stopping")
+        deadline = time.monotonic() + self.stop_grace_s
+        for r in everyone:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "worker %s (pid %d) still alive after the grace; killing", r.model, r.pid
+                )
+                r.proc.kill()
+                r.proc.wait()
+        self._reap()
+
+    # --- internals --------------------------------------------------------------------
+
+    def _serving(self, model: str) -> list[Replica]:
+        return [r for r in self._replicas.get(model, []) if r.draining_since is None]
+
+    def _free_gpus(self) -> list[str]:
+        taken = {r.gpu for rs in self._replicas.values() for r in rs if r.gpu is not None}
+        return [g for g in self.gpus if g not in taken]
+
+    def _reconcile(self, model: str) -> None:
+        want = self._desired.get(model, 0)
+        serving = self._serving(model)
+        if len(serving) > want:
+            for r in self._victims(serving)[: len(serving) - want]:
+                self._drain(r, f"scaling {model} to {want}")
+            return
+        missing = want - len(serving)
+        if missing <= 0:
+            return
+        if self.clock() < self._not_before.get(model, 0.0):
+            return  # backing off after a crash; poll() tries again
+        for _ in range(missing):
+            if not self._start(model):
+                break
+
+    def _start(self, model: str) -> bool:
+        env = dict(self.env)
+        gpu = None
+        if self.gpus:
+            free = self._free_gpus()
+            if not free:
+                log.warning("no free GPU for another %s worker; %d in use", model, len(self.gpus))
+                return False
+            gpu = free[0]
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        log_file = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_file = (self.log_dir / f"worker-{model}-{time.time_ns()}.log").open("wb")
+        proc = subprocess.Popen(
+            self.command(model),
+            env=env,
+            cwd=PROJECT_ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT if log_file is not None else None,
+            start_new_session=True,
+        )
+        replica = Replica(model, proc, gpu, self.clock(), log_file)
+        self._replicas.setdefault(model, []).append(replica)
+        log.info("started %s worker pid %d%s", model, proc.pid, f" on GPU {gpu}" if gpu else "")
+        return True
+
+    def _victims(self, serving: list[Replica]) -> list[Replica]:
+        """Replicas in the order they should be drained: cheapest to lose first."""
+        reports: dict[int, dict[str, Any]] = {}
+        if self.client is not None:
+            host = socket.gethostname()
+            try:
+                for w in list_workers(self.client, self.settings):
+                    if w.get("host") == host and not w.get("lost"):
+                        reports[int(w["pid"])] = w
+            except redis.RedisError as exc:
+                log.warning("cannot read heartbeats to pick idle workers: %s", exc)
+
+        def cost(r: Replica) -> tuple[int, int, float]:
+            report = reports.get(r.pid)
+            ready = 1 if report is not None and report.get("state") == "ready" else 0
+            busy = int(report.get("busy_slots", 0)) if report is not None else 0
+            return (ready, busy, -r.started_at)
+
+        return sorted(serving, key=cost)
+
+    def _drain(self, r: Replica, why: str) -> None:
+        if r.draining_since is not None or r.proc.poll() is not None:
+            return
+        r.draining_since = self.clock()
+        log.info("draining %s worker pid %d (%s)", r.model, r.pid, why)
+        r.proc.send_signal(signal.SIGTERM)  # a no-op if it exited meanwhile
+
+    def _kill_overdue(self) -> None:
+        now = self.clock()
+        for rs in self._replicas.values():
+            for r in rs:
+                if (
+                    r.draining_since is not None
+                    and r.proc.poll() is None
+                    and now - r.draining_since >= self.settings.drain_grace_s
+                ):
+                    log.warning(
+                        "%s worker pid %d did not finish draining in %.0f s; killing it",
+                        r.model,
+                        r.pid,
+                        self.settings.drain_grace_s,
+                    )
+                    r.proc.kill()
+
+    def _reap(self) -> None:
+        now = self.clock()
+        for model, rs in self._replicas.items():
+            for r in [r for r in rs if r.proc.poll() is not None]:
+                rs.remove(r)
+                if r.log_file is not None:
+                    r.log_file.close()
+                code = r.proc.returncode
+                if r.draining_since is not None:
+                    log.info(
+                        "%s worker pid %d stopped (exit %s) after draining", model, r.pid, code
+                    )
+                    continue
+                lived = now - r.started_at
+                crashes = (
+                    1
+                    if lived > self.settings.restart_backoff_max_s
+                    else (self._crashes.get(model, 0) + 1)
+                )
+                self._crashes[model] = crashes
+                delay = min(
+                    self.settings.restart_backoff_max_s,
+                    self.settings.restart_backoff_s * 2 ** (crashes - 1),
+                )
+                self._not_before[model] = now + delay
+                log.warning(
+                    "%s worker pid %d exited unexpectedly (exit %s after %.0f s, crash %d in a "
+                    "row); replacing it in %.0f s",
+                    model,
+                    r.pid,
+                    code,
+                    lived,
+                    crashes,
+                    delay,
+                )

@@ -1,0 +1,250 @@
+"""The reaper: no job stays ``running`` on a worker that is gone, none ``queued`` without a message.
+
+One :meth:`Reaper.sweep` does three things, each safe to run from several
+processes at once (every change is a conditional UPDATE, a lost race does
+nothing):
+
+* **Lost workers.** A running job whose worker has no live heartbeat goes back
+  to ``queued`` (only if still running on that worker), gets a ``restart``
+  event (its stream's ``seq`` continues) and a new message with the same task
+  id; its lost attempt counts. A job that has used ``max_attempts`` attempts
+  fails instead: ``worker lost N times``. A worker counts as lost when its
+  heartbeat key is gone and either its last registered beat is older than the
+  heartbeat TTL, or this reaper has seen it missing for a TTL — so a Redis
+  restart that wiped every heartbeat does not re-queue every running job.
+  The dead worker's unacknowledged message is left to Redis' own re-delivery
+  after the visibility timeout; the claim drops it then.
+* **Orphaned messages.** A job queued for longer than ``reconcile_after_s``
+  whose message is neither waiting in ``gen.<model>`` nor freshly delivered
+  (e.g. Redis restarted without persistence, or a worker died between taking
+  the message and claiming the job) is sent again. A stray duplicate is
+  harmless: the claim drops it.
+* **Pruning.** Lost workers are forgotten ``worker_prune_after_s`` after
+  their last beat.
+
+:class:`ReaperLoop` runs sweeps every ``reaper_interval_s`` — in a thread of
+each API process or as ``switchyard reaper`` — and a Redis lock lets only one
+process sweep per interval. The scaler may call :meth:`Reaper.sweep` from
+its own tick instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import redis
+from celery import Celery
+
+from config import Settings
+from db.jobs import JobStore
+from db.schema import Job, utcnow
+from tasks import metrics as m
+from tasks.events import EventLog, JobEvent
+from tasks.messages import BrokerView, send_generate
+from tasks.metrics import MetricsStore
+from workers.heartbeat import last_beats, live_worker_ids, prune_lost
+
+log = logging.getLogger(__name__)
+
+LOST_REASON = "worker lost"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One thing a sweep did to one job: ``requeued``, ``failed`` or ``resent``."""
+
+    job_id: str
+    model: str
+    action: str
+    reason: str
+
+
+class Reaper:
+    """Recovers jobs from lost workers and lost messages; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        jobs: JobStore,
+        events: EventLog,
+        client: redis.Redis,
+        celery: Celery,
+    ) -> None:
+        self.settings = settings
+        self.jobs = jobs
+        self.events = events
+        self.redis = client
+        self.celery = celery
+        self.broker = BrokerView(client)
+        self.metrics = MetricsStore(client, settings)
+        # Worker id → when this reaper first saw it without a heartbeat (monotonic).
+        self._missing_since: dict[str, float] = {}
+        self.last_sweep: list[Recovery] = []
+
+    def sweep(self) -> list[str]:
+        """One pass of every duty; the ids of the jobs it re-queued, failed or re-sent."""
+        done = self.reap_lost() + self.reconcile_queued()
+        self.prune_workers()
+        self.last_sweep = done
+        return [r.job_id for r in done]
+
+    # -- lost workers -----------------------------------------------------------------
+
+    def lost_workers(self, worker_ids: list[str]) -> set[str]:
+        """The ids among ``worker_ids`` that are gone (see the module docstring)."""
+        live = live_worker_ids(self.redis, self.settings, worker_ids)
+        beats = last_beats(self.redis, self.settings)
+        now_wall, now = time.time(), time.monotonic()
+        ttl = self.settings.heartbeat_ttl_s
+        lost = set()
+        for worker_id in worker_ids:
+            if worker_id in live:
+                self._missing_since.pop(worker_id, None)
+                continue
+            first_missed = self._missing_since.setdefault(worker_id, now)
+            beat = beats.get(worker_id)
+            if (beat is not None and now_wall - beat >= ttl) or now - first_missed >= ttl:
+                lost.add(worker_id)
+        return lost
+
+    def reap_lost(self) -> list[Recovery]:
+        """Re-queue or fail the running jobs of lost workers."""
+        running = self.jobs.running()
+        workers = sorted({j.worker for j in running if j.worker})
+        lost = self.lost_workers(workers)
+        done: list[Recovery] = []
+        for job in running:
+            if job.worker is None or job.worker not in lost:
+                continue
+            recovery = self._recover(job, job.worker)
+            if recovery is not None:
+                done.append(recovery)
+        # Forget workers no running job names any more.
+        for worker_id in set(self._missing_since) - set(workers):
+            del self._missing_since[worker_id]
+        return done
+
+    def _recover(self, job: Job, worker: str) -> Recovery | None:
+        labels = {"model": job.model}
+        if job.attempts >= self.settings.max_attempts:
+            error = f"{LOST_REASON} {job.attempts} times"
+            if not self.jobs.fail_running(job.id, worker, error):
+                return None
+            self._append(job.id, "error", {"error": error})
+            batch = self.metrics.batch()
+            batch.inc(m.JOBS_FINISHED, {**labels, "status": "failed"})
+            batch.commit()
+            log.warning("job %s failed: %s (last on %s)", job.id, error, worker)
+            return Recovery(job.id, job.model, "failed", error)
+        if self.jobs.requeue(job.id, worker, count_attempt=True) is None:
+            return None
+        self._append(
+            job.id, "restart", {"reason": LOST_REASON, "attempt": job.attempts, "worker": worker}
+        )
+        batch = self.metrics.batch()
+        batch.inc(m.JOB_RESTARTS, {**labels, "reason": "worker_lost"})
+        batch.commit()
+        try:
+            send_generate(self.celery, job.id, job.model)
+        except Exception as exc:  # the row is queued: the reconciler sends it later
+            log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
+        log.warning(
+            "job %s re-queued: %s %s (attempt %d)", job.id, LOST_REASON, worker, job.attempts
+        )
+        return Recovery(job.id, job.model, "requeued", f"{LOST_REASON}: {worker}")
+
+    def _append(self, job_id: str, kind: str, fields: dict[str, object]) -> None:
+        # Only the winner of the conditional UPDATE gets here, and the lost
+        # worker writes no more, so nobody else takes this seq.
+        seq = self.events.last_seq(job_id) + 1
+        self.events.append(job_id, [JobEvent(seq=seq, type=kind, fields=dict(fields))])
+
+    # -- orphaned messages ------------------------------------------------------------
+
+    def reconcile_queued(self) -> list[Recovery]:
+        """Send again the messages of queued jobs the broker no longer holds."""
+        after = self.settings.reconcile_after_s
+        stale = self.jobs.queued_before(utcnow() - timedelta(seconds=after))
+        if not stale:
+            return []
+        by_model: dict[str, list[str]] = {}
+        for job_id, model in stale:
+            by_model.setdefault(model, []).append(job_id)
+        delivered = self.broker.delivered_ids(since_s=after)
+        done: list[Recovery] = []
+        for model, ids in by_model.items():
+            waiting = self.broker.waiting_ids(model)
+            for job_id in ids:
+                if job_id in waiting or job_id in delivered:
+                    continue
+                # Still queued now? (it may have been claimed while we looked)
+                job = self.jobs.get(job_id)
+                if job is None or job.status != "queued":
+                    continue
+                send_generate(self.celery, job_id, model)
+                batch = self.metrics.batch()
+                batch.inc(m.JOBS_RESENT, {"model": model})
+                batch.commit()
+                log.warning("job %s was queued with no broker message; sent again", job_id)
+                done.append(Recovery(job_id, model, "resent", "no message in the broker"))
+        return done
+
+    # -- the registry -----------------------------------------------------------------
+
+    def prune_workers(self) -> list[str]:
+        pruned = prune_lost(self.redis, self.settings, self.settings.worker_prune_after_s)
+        if pruned:
+            log.info("forgot %d lost worker(s): %s", len(pruned), ", ".join(pruned))
+        return pruned
+
+
+class ReaperLoop:
+    """Sweeps every ``reaper_interval_s`` from a daemon thread, one process per interval.
+
+    Each tick takes a Redis lock that lives one interval; whoever holds it
+    sweeps, the others skip. ``make_reaper`` builds the reaper in the thread,
+    so nothing connects before the loop starts (gunicorn forks first).
+    """
+
+    def __init__(self, settings: Settings, make_reaper: Callable[[], Reaper]) -> None:
+        self.settings = settings
+        self.make_reaper = make_reaper
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+        self._token = uuid.uuid4().hex
+
+    def ensure_started(self) -> None:
+        """Start the thread once (cheap to call on every request)."""
+        if self._thread is not None:
+            return
+        with self._started:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self.run, name="reaper", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def run(self) -> None:
+        """Sweep until :meth:`stop` (the body of ``switchyard reaper``)."""
+        reaper = self.make_reaper()
+        lock_key = self.settings.key("reaper", "lock")
+        interval = self.settings.reaper_interval_s
+        while not self._stop.is_set():
+            try:
+                if reaper.redis.set(lock_key, self._token, nx=True, px=int(interval * 1000)):
+                    done = reaper.sweep()
+                    if done:
+                        log.info("reaper: %d job(s) recovered", len(done))
+            except Exception:  # a sweep that failed is retried next tick
+                log.exception("reaper sweep failed")
+            self._stop.wait(interval)

@@ -1,0 +1,415 @@
+"""The scaler: one leader computes each model's desired replicas and hands them to an executor.
+
+Several ``switchyard scaler`` processes may run; the one holding the Redis
+lock ``<prefix>:scaler:leader`` (a token with a TTL of ``scaler_lock_ttl_s``,
+renewed every tick, released on a clean stop) leads, the others retry every
+``scaler_interval_s`` and take over once the lock is free or expired.
+
+Every ``scaler_interval_s`` the leader, for each model of the catalog:
+
+* reads the state: queued and running jobs (Postgres), workers (heartbeats),
+  the run-time policy (overrides and windows, Postgres), its memory (Redis);
+* computes the desired count with :func:`workers.policy.decide`;
+* publishes it in the Redis hash ``<prefix>:scaling:desired`` (read by
+  ``/v1/models``, ``switchyard status`` and the admin API), records it in the
+  ``scaling_decisions`` table when it changed, and logs why;
+* hands it to the executor.
+
+The API pushes a model's name onto the list ``<prefix>:scaler:wake`` when it
+enqueues a job for a model whose desired count is zero (or unknown); the
+leader waits on that list between ticks, so the first job for a model at zero
+starts a worker at once instead of at the next tick. A lost wake-up costs at
+most one interval: the count is recomputed from the state every tick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import redis
+
+from config import Catalog, Settings
+from db.jobs import JobStore
+from db.overrides import ModelOverrides
+from db.overrides import apply as apply_override
+from db.scaling import DecisionRecord, ScalingStore
+from db.schema import ScalingOverride, ScalingWindow, utcnow
+from db.session import Database
+from workers.executors import Executor, ExecutorError
+from workers.heartbeat import list_workers
+from workers.policy import (
+    Decision,
+    Memory,
+    Observation,
+    Overrides,
+    Policy,
+    PolicyError,
+    decide,
+    effective_policy,
+)
+from workers.schedule import Window
+
+log = logging.getLogger(__name__)
+
+# The wake-up list never grows past this many entries (one is enough to wake).
+WAKE_LIST_MAX = 100
+
+
+def scaler_id() -> str:
+    return f"scaler@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class ScalerState:
+    """The scaler's keys in Redis: desired counts, memory, wake-ups, the leader lock."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.desired_key = settings.key("scaling", "desired")
+        self.memory_key = settings.key("scaling", "memory")
+        self.wake_key = settings.key("scaler", "wake")
+        self.lock_key = settings.key("scaler", "leader")
+
+    def desired(self) -> dict[str, dict[str, Any]]:
+        """Per model: ``desired``, ``reason``, ``detail``, ``at``, ``scaler``."""
+        raw = self.redis.hgetall(self.desired_key)
+        return {_text(k): json.loads(v) for k, v in raw.items()}
+
+    def desired_of(self, model: str) -> int | None:
+        raw = self.redis.hget(self.desired_key, model)
+        return int(json.loads(raw)["desired"]) if raw else None
+
+    def publish(self, model: str, body: dict[str, Any]) -> None:
+        self.redis.hset(self.desired_key, model, json.dumps(body))
+
+    def memories(self) -> dict[str, Memory]:
+        raw = self.redis.hgetall(self.memory_key)
+        found = {}
+        for k, v in raw.items():
+            try:
+                found[_text(k)] = Memory.from_json(v)
+            except (ValueError, KeyError, TypeError):
+                log.warning("dropping unreadable scaler memory of %s", _text(k))
+        return found
+
+    def remember(self, memories: dict[str, Memory]) -> None:
+        if memories:
+            self.redis.hset(self.memory_key, mapping={m: v.to_json() for m, v in memories.items()})
+
+    def wake(self, model: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lpush(self.wake_key, model)
+        pipe.ltrim(self.wake_key, 0, WAKE_LIST_MAX - 1)
+        pipe.execute()
+
+    def wait_wake(self, timeout: float) -> list[str]:
+        """Models woken during ``timeout`` seconds (empty when none); drains the list."""
+        got = self.redis.blpop([self.wake_key], timeout=max(timeout, 0.01))
+        if got is None:
+            return []
+        woken = [_text(got[1])]
+        while True:
+            more = self.redis.lpop(self.wake_key)
+            if more is None:
+                return woken
+            woken.append(_text(more))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def wake_if_idle(client: redis.Redis, settings: Settings, model: str) -> bool:
+    """Called by the API after enqueueing for ``model``: wake the scaler if it is at zero.
+
+    Returns True when a wake-up was sent. Never raises: a lost wake-up only
+    delays the start until the scaler's next tick.
+    """
+    try:
+        state = ScalerState(client, settings)
+        desired = state.desired_of(model)
+        if desired is None or desired == 0:
+            state.wake(model)
+            return True
+    except (redis.RedisError, ValueError, KeyError) as exc:
+        log.warning("could not wake the scaler for %s: %s", model, exc)
+    return False
+
+
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
+class LeaderLock:
+    """A Redis lock with a TTL: ``hold()`` acquires it or renews it if already ours."""
+
+    def __init__(self, client: redis.Redis, key: str, ttl_s: float, holder: str) -> None:
+        self.redis = client
+        self.key = key
+        self.ttl_ms = int(ttl_s * 1000)
+        self.holder = holder
+
+    def hold(self) -> bool:
+        if self.redis.eval(_RENEW, 1, self.key, self.holder, self.ttl_ms):
+            return True
+        return bool(self.redis.set(self.key, self.holder, nx=True, px=self.ttl_ms))
+
+    def release(self) -> None:
+        self.redis.eval(_RELEASE, 1, self.key, self.holder)
+
+    def leader(self) -> str | None:
+        raw = self.redis.get(self.key)
+        return _text(raw) if raw is not None else None
+
+
+def policy_for(
+    scaling: Any, override: ScalingOverride | None, windows: list[ScalingWindow]
+) -> Policy:
+    """A model's effective policy from its definition's scaling and its database rows."""
+    overrides = None
+    if override is not None:
+        overrides = Overrides(
+            min_replicas=override.min_replicas,
+            max_replicas=override.max_replicas,
+            target_jobs_per_replica=override.target_jobs_per_replica,
+            upscale_delay_s=override.upscale_delay_s,
+            downscale_delay_s=override.downscale_delay_s,
+            scale_to_zero_delay_s=override.scale_to_zero_delay_s,
+            manual_replicas=override.manual_replicas,
+            manual_until=override.manual_until,
+        )
+    extra = [
+        Window(
+            cron=w.cron,
+            timezone=w.timezone,
+            min_replicas=w.min_replicas,
+            max_replicas=w.max_replicas,
+            source="schedule",
+            id=w.id,
+        )
+        for w in windows
+    ]
+    return effective_policy(scaling, overrides, extra)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick decided, per model."""
+
+    at: datetime
+    decisions: dict[str, Decision]
+
+
+class Scaler:
+    """The scaling loop. :meth:`tick` is one pass; :meth:`run` leads and ticks until stopped."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        db: Database,
+        client: redis.Redis,
+        executor: Executor,
+        *,
+        ident: str | None = None,
+        reaper: Callable[[], Any] | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.jobs = JobStore(db)
+        self.store = ScalingStore(db)
+        self.redis = client
+        self.executor = executor
+        self.id = ident or scaler_id()
+        # Hook for the reaper of lost workers' jobs (workers/reaper.py): the
+        # leader calls it once per tick so exactly one process reaps.
+        self.reaper = reaper
+        self.clock = clock
+        self.state = ScalerState(client, settings)
+        self.lock = LeaderLock(client, self.state.lock_key, settings.scaler_lock_ttl_s, self.id)
+        self.leading = False
+
+    def tick(self, now: datetime | None = None) -> Tick:
+        """Decide every model's count from the current state and apply it."""
+        now = now or self.clock()
+        if self.reaper is not None:
+            try:
+                self.reaper()
+            except Exception:  # the reaper failing must not stop scaling
+                log.exception("reaper failed")
+        counts = self.jobs.active_counts()
+        ready: Counter[str] = Counter()
+        starting: Counter[str] = Counter()
+        for w in list_workers(self.redis, self.settings):
+            if w["lost"]:
+                continue
+            if w["state"] == "ready":
+                ready[w["model"]] += 1
+            elif w["state"] == "starting":
+                starting[w["model"]] += 1
+        overrides = self.store.overrides()
+        windows: dict[str, list[ScalingWindow]] = {}
+        for row in self.store.windows():
+            windows.setdefault(row.model, []).append(row)
+        memories = self.state.memories()
+        published = self.state.desired()
+        decisions: dict[str, Decision] = {}
+        enabled_at_run_time = ModelOverrides(self.store.db).all()
+        for listed in self.catalog:
+            model = listed.name
+            # An operator may disable a model at run time: it then scales to zero.
+            definition = apply_override(listed, enabled_at_run_time.get(model))
+            c = counts.get(model, {"queued": 0, "running": 0})
+            if not definition.enabled:
+                policy = Policy(min_replicas=0, max_replicas=0)
+            else:
+                try:
+                    policy = policy_for(
+                        definition.scaling, overrides.get(model), windows.get(model, [])
+                    )
+                except PolicyError as exc:
+                    log.error(
+                        "%s: run-time policy is inconsistent (%s); using its definition", model, exc
+                    )
+                    policy = effective_policy(definition.scaling)
+            observation = Observation(
+                queued=c["queued"], running=c["running"], replicas=ready[model] + starting[model]
+            )
+            decision = decide(policy, observation, memories.get(model), now)
+            decisions[model] = decision
+            self.state.publish(
+                model,
+                {
+                    "desired": decision.desired,
+                    "reason": decision.reason,
+                    "detail": decision.detail,
+                    "at": now.isoformat(),
+                    "scaler": self.id,
+                    "executor": self.executor.name,
+                },
+            )
+            last = published.get(model, {})
+            if decision.changed or last.get("desired") != decision.desired:
+                log.info(
+                    "%s: %s -> %d replicas (%s: %s)",
+                    model,
+                    decision.previous if decision.previous is not None else "?",
+                    decision.desired,
+                    decision.reason,
+                    decision.detail,
+                )
+                self.store.record_decision(
+                    DecisionRecord(
+                        model=model,
+                        at=now,
+                        previous=decision.previous,
+                        desired=decision.desired,
+                        reason=decision.reason,
+                        detail=decision.detail,
+                        queued=observation.queued,
+                        running=observation.running,
+                        ready=ready[model],
+                        scaler=self.id,
+                    )
+                )
+            else:
+                log.debug("%s: %d replicas (%s)", model, decision.desired, decision.detail)
+        self.state.remember({m: d.memory for m, d in decisions.items()})
+        for model, decision in decisions.items():
+            try:
+                self.executor.apply(model, decision.desired)
+            except ExecutorError as exc:
+                log.error("%s: %s; retrying next tick", model, exc)
+        return Tick(now, decisions)
+
+    def run(self, stop: threading.Event) -> None:
+        """Lead (or stand by) and tick until ``stop`` is set; then step down cleanly."""
+        interval = self.settings.scaler_interval_s
+        # The lock must be renewed well within its TTL, whatever the interval.
+        beat = min(interval, self.settings.scaler_lock_ttl_s / 3, 1.0)
+        next_tick = 0.0
+        log.info("scaler %s started (executor %s)", self.id, self.executor.name)
+        try:
+            while not stop.is_set():
+                try:
+                    leading = self.lock.hold()
+                except redis.RedisError as exc:
+                    log.warning("cannot reach Redis for the leader lock: %s", exc)
+                    leading = False
+                if leading != self.leading:
+                    self.leading = leading
+                    if leading:
+                        log.info("scaler %s leads", self.id)
+                        next_tick = 0.0
+                    else:
+                        log.warning("scaler %s lost the lead; standing by", self.id)
+                        self.executor.close()
+                if not leading:
+                    stop.wait(beat)
+                    continue
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + interval
+                    self._safe_tick()
+                try:
+                    woken = self.state.wait_wake(min(beat, max(0.0, next_tick - time.monotonic())))
+                except redis.RedisError as exc:
+                    log.warning("cannot wait for wake-ups: %s", exc)
+                    stop.wait(beat)
+                    woken = []
+                if woken:
+                    log.info("woken for %s", ", ".join(sorted(set(woken))))
+                    next_tick = 0.0
+                self.executor.poll()
+        finally:
+            if self.leading:
+                with contextlib.suppress(redis.RedisError):  # else it expires by itself
+                    self.lock.release()
+                self.leading = False
+            self.executor.close()
+            log.info("scaler %s stopped", self.id)
+
+    def _safe_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # a database or Redis hiccup: try again next tick
+            log.exception("scaler tick failed")
+
+
+def local_scaler(
+    settings: Settings, env: dict[str, str] | None = None, *, stop_grace_s: float | None = None
+) -> Scaler:
+    """A scaler with the local executor, for ``switchyard run`` (and tests)."""
+    from config import load_catalog
+    from workers.executors.local import LocalExecutor
+
+    client = redis.Redis.from_url(settings.redis_url)
+    executor = LocalExecutor(settings, client=client, env=env, stop_grace_s=stop_grace_s)
+    return Scaler(
+        settings,
+        load_catalog(settings.models_dir),
+        Database(settings.database_url),
+        client,
+        executor,
+    )
