@@ -28,6 +28,7 @@ def serve_with(runner: Runner | None) -> None:
 @app.task(name=GENERATE_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
 def generate(job_id: str) -> None:
     if _runner is None:
-        # Raising makes Celery reject (and, with acks_late, redeliver) rather than drop.
+        # The message is acknowledged as failed (task_acks_on_failure_or_timeout);
+        # the job row stays queued and the reaper's reconciler sends it again.
         raise RuntimeError("this process serves no model: start it with `switchyard worker`")
     _runner.run(job_id)

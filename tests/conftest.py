@@ -49,7 +49,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tiny = (folder / "tiny-random.yaml").read_text()
     recovery = tiny.replace("name: tiny-random", "name: tiny-recovery")
     (folder / "tiny-recovery.yaml").write_text(
-        recovery.replace("max_new_tokens: 256", "max_new_tokens: 2048")
+        recovery.replace("max_new_tokens: 1024", "max_new_tokens: 2048")
     )
     # tiny-broken: its second pre-start action fails, so no worker ever serves it.
     broken = tiny.replace("name: tiny-random", "name: tiny-broken") + (

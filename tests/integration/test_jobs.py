@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,45 @@ def test_cancel_queued_job_is_never_started_and_queued_job_runs_when_worker_star
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
+def test_cancel_a_running_job_stops_it_with_the_text_so_far(
+    api_url: str, user_token: str, tiny_worker: farm.Process
+) -> None:
+    import websocket
+
+    job_id = submit_ok(api_url, user_token, max_new_tokens=1024)
+    url = api_url.replace("http", "ws", 1) + f"/v1/jobs/{job_id}/ws"
+    ws = websocket.create_connection(
+        url, header=[f"Authorization: Bearer {user_token}"], timeout=120
+    )
+    frames = []
+    try:
+        while not any(f["type"] == "token" for f in frames):
+            frames.append(json.loads(ws.recv()))
+        r = requests.delete(
+            f"{api_url}/v1/jobs/{job_id}",
+            headers={"Authorization": f"Bearer {user_token}"},
+            timeout=30,
+        )
+        assert r.status_code == 202, r.text
+        assert r.json()["cancel_requested"] is True
+        while frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads(ws.recv()))
+    finally:
+        ws.close()
+    assert_gapless(frames)
+    done = frames[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+    text = "".join(f["text"] for f in frames if f["type"] == "token")
+    assert done["text"] == text
+    job = wait_final(api_url, user_token, job_id)
+    assert job["status"] == "cancelled" and job["finish_reason"] == "cancelled"
+    assert job["output_text"] == text
+    assert 0 < job["usage"]["completion_tokens"] < 1024
+    # The slot is free again: the next job runs to completion.
+    follow = submit_ok(api_url, user_token)
+    assert wait_final(api_url, user_token, follow)["status"] == "succeeded"
+
+
 def test_other_users_job_is_not_found(
     api_url: str,
     user_token: str,
@@ -311,4 +351,4 @@ def test_models_list_the_catalog_with_state(api_url: str, tiny_worker: farm.Proc
     by_id = {m["id"]: m for m in body["data"]}
     assert {"smollm2-135m", "tiny-random", "tiny-late"} <= set(by_id)
     assert by_id["tiny-random"]["state"]["replicas_ready"] == 1
-    assert by_id["tiny-random"]["limits"]["max_new_tokens"] == 256
+    assert by_id["tiny-random"]["limits"]["max_new_tokens"] == 1024

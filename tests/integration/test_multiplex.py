@@ -61,7 +61,7 @@ def test_two_concurrent_requests_and_a_cancel_on_one_socket(
     try:
         ws.send(json.dumps({"type": "ping"}))
         assert json.loads(ws.recv())["type"] == "pong"
-        for rid, n in (("a", 24), ("b", 256)):
+        for rid, n in (("a", 24), ("b", 1024)):
             ws.send(
                 json.dumps(
                     {
