@@ -38,6 +38,7 @@ from api.openapi import Header, spec
 from api.schemas import JobRequest, json_body, parse
 from api.services import services
 from api.sock import sock
+from api.streams import SlowClient, drop_laggard, send_frame
 from config import ModelDefinition
 from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
@@ -460,7 +461,11 @@ def job_events(job_id: str) -> Response:
 
 
 def job_socket(ws: Any, job_id: str) -> None:
-    """Websocket: one JSON text frame per event, closed after ``done`` or ``error``."""
+    """Websocket: one JSON text frame per event, closed after ``done`` or ``error``.
+
+    A client that does not take a frame within ``ws_send_timeout_s``, or falls
+    ``relay_max_buffered_events`` behind, is closed with 4008 "client too slow".
+    """
     try:
         visible_job(job_id, optional_principal(allow_query=True))
         after = _after_param(request.args.get("after"))
@@ -471,11 +476,20 @@ def job_socket(ws: Any, job_id: str) -> None:
             message=exc.message[:120],
         )
         return
-    with services().hub.subscribe(job_id) as sub:
+    svc = services()
+    timeout_s = svc.settings.ws_send_timeout_s
+    with svc.hub.subscribe(job_id) as sub:
         try:
             for event in sub.events(after):
-                ws.send(event.to_json())
+                if sub.lagging:
+                    raise SlowClient("the subscription is lagging")
+                send_frame(ws, event.to_json(), timeout_s, give_up=lambda: sub.lagging)
         except ConnectionClosed:
+            return
+        except SlowClient as exc:
+            # The job runs on; the client may re-attach with ?after=<seq>.
+            log.info("websocket of job %s dropped: %s", job_id, exc)
+            drop_laggard(ws, exc)
             return
     ws.close(reason=1000, message="done")
 

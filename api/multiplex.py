@@ -45,6 +45,7 @@ from api.openapi import spec
 from api.schemas import JobRequest, field_name
 from api.services import services
 from api.sock import sock
+from api.streams import SlowClient, drop_laggard, send_frame
 from db.accounts import Principal
 from db.schema import Job, JobStatus
 
@@ -99,11 +100,20 @@ class Session:
         if self.closed.is_set():
             return
         data = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+        timeout_s = services().settings.ws_send_timeout_s
         try:
             with self._send_lock:
-                self.ws.send(data)
+                if self.closed.is_set():
+                    return
+                send_frame(self.ws, data, timeout_s)
         except (ConnectionClosed, OSError):
             self.closed.set()
+        except SlowClient as exc:
+            # Closing cancels the socket's jobs that are not detached, as any close does.
+            log.info("multiplexed websocket dropped: %s", exc)
+            self.closed.set()
+            with self._send_lock:
+                drop_laggard(self.ws, exc)
 
     def send_error(self, request_id: str | None, error: ApiError) -> None:
         frame: dict[str, Any] = {"type": "error", "id": request_id, **error.body()}

@@ -6,6 +6,14 @@ and filling any gap from the history. So a client that connects late, or
 reconnects after ``seq = k``, receives every event exactly once, in order. If
 pub/sub goes quiet (Redis restarted, a message lost), the history is re-read
 every ``relay_poll_s``.
+
+Each subscription buffers at most ``relay_max_buffered_events`` live events.
+One whose reader falls that far behind stops taking live events and is marked
+:attr:`Subscription.lagging`; its reader then catches up from the history, so
+memory stays bounded and the stream stays gapless. The websocket senders
+(:func:`send_frame`) close a lagging socket, or one whose client does not take
+a frame within ``ws_send_timeout_s``, with :data:`CLOSE_TOO_SLOW`; the job runs
+on and ``?after=<seq>`` re-attaches.
 """
 
 from __future__ import annotations
@@ -13,11 +21,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import redis
+from simple_websocket import ConnectionClosed
+from wsproto.events import CloseConnection, TextMessage
 
 from config import Settings
 from tasks.events import EventLog, JobEvent
@@ -29,6 +42,27 @@ log = logging.getLogger(__name__)
 HUB_TICK_S = 0.01
 # How long a subscriber waits for Redis to confirm its subscription, in seconds.
 SUBSCRIBE_WAIT_S = 1.0
+# The websocket close code and reason given to a client that reads too slowly
+# (4000-4999 is the application range).
+CLOSE_TOO_SLOW = 4008
+CLOSE_TOO_SLOW_REASON = "client too slow"
+# How long a blocked send sleeps between two looks at its give-up condition, in seconds.
+SEND_POLL_S = 0.1
+# How long a laggard's close frame may take to leave, in seconds: it is a courtesy,
+# the socket is shut down after it either way.
+CLOSE_WRITE_S = 1.0
+
+
+class SlowClient(Exception):
+    """A websocket client did not keep up: a frame timed out, or its subscription lagged.
+
+    ``partial`` is true when part of a frame was written, so no other frame
+    (not even a close frame) may follow on that connection.
+    """
+
+    def __init__(self, why: str, *, partial: bool = False) -> None:
+        super().__init__(why)
+        self.partial = partial
 
 
 class Subscription:
@@ -38,8 +72,31 @@ class Subscription:
         self.hub = hub
         self.job_id = job_id
         self.channel = hub.events.channel(job_id)
-        self.queue: queue.SimpleQueue[JobEvent] = queue.SimpleQueue()
+        self.queue: queue.Queue[JobEvent] = queue.Queue(hub.settings.relay_max_buffered_events)
         self.confirmed = threading.Event()
+        # Set by the hub on overflow, cleared by the reader once it caught up
+        # from the history; while set, live events are not taken.
+        self._paused = False
+        self._overflows = 0
+
+    @property
+    def lagging(self) -> bool:
+        """True once the buffer of live events overflowed (it stays true)."""
+        return self._overflows > 0
+
+    def offer(self, event: JobEvent) -> None:
+        """Take a live event, unless the buffer is full: then mark the subscription lagging.
+
+        Called by the hub thread; never blocks.
+        """
+        if self._paused:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except queue.Full:
+            self._paused = True
+            self._overflows += 1
+            log.info("subscriber of job %s is lagging; live events paused", self.job_id)
 
     def events(self, after: int = -1, *, idle_timeout: float | None = None) -> Iterator[JobEvent]:
         """Every event with ``seq > after`` in order, ending after a final event.
@@ -55,24 +112,18 @@ class Subscription:
                 return
         idle_since = time.monotonic()
         while True:
-            try:
-                event = self.queue.get(timeout=self.hub.settings.relay_poll_s)
-            except queue.Empty:
-                # Cheap check first: an idle job costs one XREVRANGE per poll.
-                missed = []
-                if self.hub.events.last_seq(self.job_id) > last:
-                    missed = self.hub.events.history(self.job_id, after=last)
-                if not missed:
+            if self._paused and self.queue.empty():
+                # Resume live events first, then read what was dropped from the
+                # history: an event is in one or the other (seq skips doubles).
+                self._paused = False
+                batch = self.hub.events.history(self.job_id, after=last)
+            else:
+                received = self._next_batch(last)
+                if received is None:
                     if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
                         return
                     continue
-                batch = missed
-            else:
-                if event.seq <= last:
-                    continue
-                batch = [event]
-                if event.seq > last + 1:  # a gap: fill it from the history
-                    batch = self.hub.events.history(self.job_id, after=last)
+                batch = received
             for item in batch:
                 if item.seq <= last:
                     continue
@@ -81,6 +132,22 @@ class Subscription:
                 idle_since = time.monotonic()
                 if item.final:
                     return
+
+    def _next_batch(self, last: int) -> list[JobEvent] | None:
+        """The next events after ``last``: live, or from the history after a gap or a
+        quiet ``relay_poll_s``; None when nothing new arrived."""
+        try:
+            event = self.queue.get(timeout=self.hub.settings.relay_poll_s)
+        except queue.Empty:
+            # Cheap check first: an idle job costs one XREVRANGE per poll.
+            if self.hub.events.last_seq(self.job_id) > last:
+                return self.hub.events.history(self.job_id, after=last) or None
+            return None
+        if event.seq <= last:
+            return []
+        if event.seq > last + 1:  # a gap: fill it from the history
+            return self.hub.events.history(self.job_id, after=last)
+        return [event]
 
     def close(self) -> None:
         self.hub.unsubscribe(self)
@@ -196,4 +263,67 @@ class RelayHub:
                 with self._lock:
                     targets = list(self._listeners.get(channel, ()))
                 for sub in targets:
-                    sub.queue.put(event)
+                    sub.offer(event)
+
+
+def send_frame(
+    ws: Any, data: str, timeout_s: float, *, give_up: Callable[[], bool] | None = None
+) -> None:
+    """Send one text frame on a simple-websocket ``ws`` within ``timeout_s`` seconds.
+
+    simple-websocket's own ``send`` blocks for as long as the client does not
+    read; this writes the frame without blocking the socket for other threads,
+    and raises :class:`SlowClient` when the client has not taken it in time,
+    or as soon as ``give_up()`` is true while waiting. Raises
+    ``ConnectionClosed`` when the socket is closed.
+    """
+    if not ws.connected:
+        raise ConnectionClosed(ws.close_reason, ws.close_message)
+    payload = ws.ws.send(TextMessage(data=data))
+    _write(ws.sock, payload, timeout_s, give_up)
+
+
+def drop_laggard(ws: Any, reason: SlowClient) -> None:
+    """Close a too-slow client's socket with :data:`CLOSE_TOO_SLOW` and free it.
+
+    The close frame goes out when it can within :data:`CLOSE_WRITE_S`; the
+    socket is shut down after it either way, which ends simple-websocket's
+    reader thread and any receive waiting on it.
+    """
+    if not ws.connected:
+        return
+    ws.connected = False
+    if not reason.partial:
+        try:
+            frame = ws.ws.send(CloseConnection(CLOSE_TOO_SLOW, CLOSE_TOO_SLOW_REASON))
+            _write(ws.sock, frame, CLOSE_WRITE_S, None)
+        except Exception:  # the close frame is a courtesy to a socket that is going anyway
+            pass
+    with contextlib.suppress(OSError):
+        ws.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _write(
+    sock: socket.socket, payload: bytes, timeout_s: float, give_up: Callable[[], bool] | None
+) -> None:
+    # MSG_DONTWAIT makes this one send non-blocking without changing the
+    # socket's mode, which simple-websocket's reader thread relies on.
+    view = memoryview(payload)
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent:], socket.MSG_DONTWAIT)
+            continue
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            raise ConnectionClosed(1006, str(exc)) from None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SlowClient(f"a frame waited over {timeout_s:g} s", partial=sent > 0)
+        if give_up is not None and give_up():
+            raise SlowClient("the subscription is lagging", partial=sent > 0)
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        poller.poll(min(remaining, SEND_POLL_S) * 1000)

@@ -68,6 +68,23 @@ class Settings(BaseModel):
         le=60,
         description="Seconds of pub/sub silence after which a relay re-reads the stream history.",
     )
+    relay_max_buffered_events: int = Field(
+        default=1000,
+        ge=1,
+        description=(
+            "Live events buffered per stream subscriber, in events; past it the subscriber "
+            "is lagging (a websocket is closed with 4008)."
+        ),
+    )
+    ws_send_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description=(
+            "Seconds a websocket frame may wait for a client that does not read before the "
+            "socket is closed with 4008."
+        ),
+    )
     job_timeout_s: int = Field(
         default=1800, ge=10, description="Longest a single generation may run, in seconds."
     )
