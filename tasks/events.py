@@ -79,10 +79,20 @@ class EventLog:
         pipe.execute()
 
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
-        """Every stored event with ``seq > after``, in order."""
+        """Every stored event with ``seq > after``, in order, each seq once.
+
+        A writer that retried after a Redis error may have stored an event
+        twice; only its first copy is returned.
+        """
         entries = cast(_Entries, self.redis.xrange(self.channel(job_id)))
-        events = [JobEvent.from_json(fields[b"e"]) for _id, fields in entries]
-        return [e for e in events if e.seq > after]
+        events = []
+        last = after
+        for _id, fields in entries:
+            event = JobEvent.from_json(fields[b"e"])
+            if event.seq > last:
+                events.append(event)
+                last = event.seq
+        return events
 
     def last_seq(self, job_id: str) -> int:
         """The seq of the newest event, or -1 for an empty stream."""

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 # How often a running job looks for a cancel request, in seconds.
 CANCEL_POLL_S = 0.1
+# How long a worker keeps retrying to publish a job's events while Redis is
+# unreachable before it gives the job up, in seconds.
+PUBLISH_RETRY_S = 60.0
 # How long a drained job waits for the engine to confirm its cancellation
 # before it is re-queued anyway (an engine that stopped stepping never will).
 DRAIN_CANCEL_WAIT_S = 5.0
@@ -95,7 +98,21 @@ class _Stream:
         return event
 
     def _write(self, events: list[JobEvent]) -> None:
-        self.events.append(self.job_id, events)
+        # Redis restarting or failing over must not fail a generation: retry the
+        # same events (redis-py reconnects by itself). A write that half-happened
+        # before the error repeats a seq, which every reader skips.
+        delay = 0.1
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        while True:
+            try:
+                self.events.append(self.job_id, events)
+                return
+            except redis.RedisError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("job %s: could not publish events (%s); retrying", self.job_id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
 
 class JobRunner:
