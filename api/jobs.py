@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 
 bp = Blueprint("jobs", __name__)
 
-# Seconds of silence after which an SSE stream sends a keep-alive comment.
-SSE_KEEPALIVE_S = 15.0
 MAX_IDEMPOTENCY_KEY = 255
 
 IDEMPOTENCY_HEADER = Header(
@@ -434,6 +432,7 @@ def job_events(job_id: str) -> Response:
     visible_job(job_id, optional_principal(allow_query=True))
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
     hub = services().hub
+    keepalive_s = services().settings.stream_keepalive_s
     sub = hub.subscribe(job_id)
 
     def generate() -> Iterator[str]:
@@ -442,7 +441,7 @@ def job_events(job_id: str) -> Response:
             last = after
             while True:
                 ended = False
-                for event in sub.events(last, idle_timeout=SSE_KEEPALIVE_S):
+                for event in sub.events(last, idle_timeout=keepalive_s):
                     last = event.seq
                     yield f"id: {event.seq}\nevent: {event.type}\ndata: {event.to_json()}\n\n"
                     if event.final:

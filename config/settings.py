@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PREFIX = "SWITCHYARD_"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,10 @@ class Settings(BaseModel):
 
     database_url: str = Field(
         default=f"sqlite:///{PROJECT_ROOT / '.switchyard' / 'switchyard.db'}",
-        description="SQLAlchemy URL of the job database (Postgres in production).",
+        description=(
+            "SQLAlchemy URL of the job database (Postgres in production); unset, the "
+            "SQLite file switchyard.db in the state folder."
+        ),
     )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
@@ -255,8 +259,9 @@ class Settings(BaseModel):
         gt=0,
         le=60,
         description=(
-            "Seconds of silence after which an OpenAI/TGI stream sends a keep-alive; a "
-            "vanished client is noticed (and its job cancelled) on such a write."
+            "Seconds of silence after which an SSE stream (job events, OpenAI, TGI) sends a "
+            "keep-alive; a vanished client is noticed (and, on OpenAI/TGI, its job "
+            "cancelled) on such a write."
         ),
     )
     anonymous_max_concurrent_jobs: int = Field(
@@ -292,6 +297,17 @@ class Settings(BaseModel):
         pattern=r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
         description="Log level of every Switchyard process.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sqlite_in_state_dir(cls, values: Any) -> Any:
+        # The default database lives in the state folder, wherever that is set.
+        if isinstance(values, dict) and "database_url" not in values and "state_dir" in values:
+            values = {
+                **values,
+                "database_url": f"sqlite:///{Path(values['state_dir'])}/switchyard.db",
+            }
+        return values
 
     def key(self, *parts: str) -> str:
         """A Redis key under this deployment's prefix."""
