@@ -18,7 +18,6 @@ accepted only at their neutral value; anything else is a 422 naming the field.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -43,6 +42,8 @@ from api.schemas import (
     GenerationParams,
     JobRequest,
     Message,
+    check_finite,
+    check_stop_strings,
     json_body,
     parse,
 )
@@ -127,9 +128,7 @@ class _Common(BaseModel):
     @field_validator("temperature", "top_p", "repetition_penalty")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+        return check_finite(value)
 
     @field_validator("n")
     @classmethod
@@ -151,9 +150,7 @@ class _Common(BaseModel):
         items = [value] if isinstance(value, str) else value or []
         if len(items) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        for s in items:
-            if not s or len(s) > 256:
-                raise ValueError("each stop string must have 1 to 256 characters")
+        check_stop_strings(items)
         return value
 
     def include_usage(self) -> bool:

@@ -12,6 +12,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from api.errors import BadRequest, ValidationFailed
 
 MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 256
+
+
+def check_finite(value: float | None) -> float | None:
+    """A sampling number must be finite (JSON parsers accept NaN and Infinity)."""
+    if value is not None and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def check_stop_strings(items: list[str]) -> None:
+    """Every front door takes the same stop strings: 1 to MAX_STOP_LENGTH characters."""
+    for s in items:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
+
+
 MAX_DEADLINE_S = 7 * 86400
 T = TypeVar("T", bound=BaseModel)
 
@@ -40,17 +57,12 @@ class GenerationParams(_Body):
     @field_validator("temperature", "top_p", "repetition_penalty")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+        return check_finite(value)
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None:
-            for s in value:
-                if not s or len(s) > 256:
-                    raise ValueError("each stop string must have 1 to 256 characters")
+        check_stop_strings(value or [])
         return value
 
     def given(self) -> dict[str, Any]:

@@ -17,7 +17,6 @@ generation).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +37,15 @@ from api.jobs import (
     submit_job,
 )
 from api.openapi import Header, spec
-from api.schemas import MAX_STOP_STRINGS, GenerationParams, JobRequest, json_body, parse
+from api.schemas import (
+    MAX_STOP_STRINGS,
+    GenerationParams,
+    JobRequest,
+    check_finite,
+    check_stop_strings,
+    json_body,
+    parse,
+)
 from api.services import services
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
@@ -80,16 +87,12 @@ class TGIParameters(BaseModel):
     @field_validator("temperature", "top_p", "repetition_penalty")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+        return check_finite(value)
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: list[str] | None) -> list[str] | None:
-        for s in value or []:
-            if not s or len(s) > 256:
-                raise ValueError("each stop string must have 1 to 256 characters")
+        check_stop_strings(value or [])
         return value
 
     @field_validator("watermark")
