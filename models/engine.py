@@ -272,9 +272,15 @@ class Engine:
     @property
     def busy_slots(self) -> int:
         """Requests being decoded now (not counting those waiting for a slot)."""
-        admitting = self._admitting
-        busy = sum(1 for seq in list(self._batch.seqs) if not seq.done)
-        return busy + (1 if admitting is not None and not admitting.done else 0)
+        # Read both under the lock: the step loop moves a sequence from
+        # ``_admitting`` into the batch under it, so it is counted once.
+        with self._lock:
+            admitting = self._admitting
+            seqs = list(self._batch.seqs)
+        busy = sum(1 for seq in seqs if not seq.done)
+        if admitting is not None and not admitting.done and admitting not in seqs:
+            busy += 1
+        return busy
 
     @property
     def queued(self) -> int:
