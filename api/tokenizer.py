@@ -11,8 +11,10 @@ without (the template writes them).
 Where the files are (see ``models/loader.py``): a GGUF model's under
 ``<state_dir>/models/<name>/model`` or ``.../tokenizer`` (written on a worker's
 first load), a local model's in its folder, a hub model's in the local hub
-cache, a random model's from its ``tokenizer_from`` model. Until they exist the
-route answers 503 saying so.
+cache, a random model's from its ``tokenizer_from`` model. Where the API does
+not share the workers' disk (compose, Kubernetes) it uses the files a worker
+published to Redis when it loaded the model (``tasks/tokenizers.py``). Until
+either exists the route answers 503 saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, current_app, jsonify
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,6 +38,7 @@ from api.schemas import Message, json_body, parse
 from api.services import services
 from config import Catalog, ModelDefinition, Settings
 from config.catalog import GGUFSource, HubSource, LocalSource, RandomSource
+from tasks.tokenizers import fetch_tokenizer_files, read_tokenizer_files
 
 bp = Blueprint("tokenizer", __name__)
 
@@ -138,17 +142,16 @@ class TextTokenizer:
 
     @classmethod
     def load(cls, folder: Path) -> TextTokenizer:
+        return cls.from_files(read_tokenizer_files(folder))
+
+    @classmethod
+    def from_files(cls, files: dict[str, str]) -> TextTokenizer:
+        """From the tokenizer files' texts, by name (``tokenizer.json`` required)."""
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        config: dict[str, Any] = {}
-        config_path = folder / "tokenizer_config.json"
-        if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        source = config.get("chat_template")
-        jinja_path = folder / "chat_template.jinja"
-        if jinja_path.is_file():
-            source = jinja_path.read_text(encoding="utf-8")
+        tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        config: dict[str, Any] = json.loads(files.get("tokenizer_config.json", "{}"))
+        source = files.get("chat_template.jinja") or config.get("chat_template")
         template = _template_environment().from_string(source) if source else None
         specials = {
             name: _special(config, name)
@@ -176,9 +179,10 @@ class TextTokenizer:
 class Tokenizers:
     """The process's loaded tokenizers, by model name (loaded on first use)."""
 
-    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+    def __init__(self, settings: Settings, catalog: Catalog, client: redis.Redis) -> None:
         self.settings = settings
         self.catalog = catalog
+        self.redis = client
         self._lock = threading.Lock()
         self._loaded: dict[str, TextTokenizer] = {}
 
@@ -188,9 +192,14 @@ class Tokenizers:
         if found is not None:
             return found
         folder = tokenizer_folder(definition, self.catalog, self.settings.state_dir)
-        if folder is None:
-            raise TokenizerMissing(definition.name)
-        loaded = TextTokenizer.load(folder)
+        if folder is not None:
+            loaded = TextTokenizer.load(folder)
+        else:
+            # No shared model cache (compose, Kubernetes): what a worker published.
+            files = fetch_tokenizer_files(self.redis, self.settings, definition.name)
+            if not files:
+                raise TokenizerMissing(definition.name)
+            loaded = TextTokenizer.from_files(files)
         with self._lock:
             return self._loaded.setdefault(definition.name, loaded)
 
@@ -199,7 +208,9 @@ def tokenizers() -> Tokenizers:
     found = current_app.extensions.get(EXTENSION)
     if found is None:
         svc = services()
-        found = current_app.extensions.setdefault(EXTENSION, Tokenizers(svc.settings, svc.catalog))
+        found = current_app.extensions.setdefault(
+            EXTENSION, Tokenizers(svc.settings, svc.catalog, svc.redis)
+        )
     assert isinstance(found, Tokenizers)
     return found
 

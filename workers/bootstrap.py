@@ -37,6 +37,7 @@ from tasks.generate import serve_with
 from tasks.messages import send_generate
 from tasks.metrics import MetricsStore
 from tasks.queues import queue_name
+from tasks.tokenizers import publish_tokenizer_files, saved_tokenizer_files
 from workers.heartbeat import Heartbeat, WorkerReport
 from workers.prestart import PreStartFailed, run_prestart
 
@@ -71,6 +72,11 @@ def run_worker(settings: Settings, model: str) -> int:
         heartbeat.set_state("failed", error=f"{type(exc).__name__}: {exc}")
         heartbeat.stop(forget=False)
         return 3
+
+    try:  # lets an API without this worker's disk answer POST /tokenize
+        publish_tokenizer_files(client, settings, model, saved_tokenizer_files(engine.tokenizer))
+    except Exception:
+        log.warning("could not publish %s's tokenizer files", model, exc_info=True)
 
     def sample(r: WorkerReport) -> None:
         r.busy_slots = engine.busy_slots

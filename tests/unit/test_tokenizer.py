@@ -50,3 +50,23 @@ def test_prompt_ids_match_transformers(folder: Path, prompt: str) -> None:
     reference = AutoTokenizer.from_pretrained(str(folder))
     expected = list(reference(prompt, add_special_tokens=True)["input_ids"])
     assert TextTokenizer.load(folder).encode_prompt(prompt) == expected
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_files_a_worker_publishes_encode_the_same(
+    folder: Path, messages: list[dict[str, str]]
+) -> None:
+    """What a worker saves from its loaded tokenizer (and publishes to Redis) encodes alike."""
+    from transformers import AutoTokenizer
+
+    from tasks.tokenizers import saved_tokenizer_files
+
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    files = saved_tokenizer_files(reference)
+    assert "tokenizer.json" in files
+    text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = list(reference(text, add_special_tokens=False)["input_ids"])
+    assert TextTokenizer.from_files(files).encode_chat(messages) == expected
+    assert TextTokenizer.from_files(files).encode_prompt("Héllo") == list(
+        reference("Héllo", add_special_tokens=True)["input_ids"]
+    )
