@@ -40,6 +40,11 @@ from db.session import Database
 from tasks import configure
 from tasks.events import EventLog
 
+# Redis connections per API process (redis-py's default bound), and the longest
+# a request waits, in seconds, for one of them to be free.
+REDIS_POOL_SIZE = 100
+REDIS_POOL_WAIT_S = 10.0
+
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API for ``settings`` (default: from the environment)."""
@@ -51,15 +56,25 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["SOCK_SERVER_OPTIONS"] = {
         "ping_interval": 25,
-        "max_message_size": settings.max_body_bytes,
+        # simple-websocket counts a message as it arrives and closes the socket with 1009
+        # once it passes this: a huge frame is never held whole.
+        "max_message_size": settings.ws_max_message_bytes,
         # Offered with "bearer.<token>" by browsers (api/auth.py); never echo the token.
         "subprotocols": [SUBPROTOCOL],
     }
     app.json.sort_keys = False  # type: ignore[attr-defined]
 
-    client = redis.Redis.from_url(
-        settings.redis_url, health_check_interval=30, socket_keepalive=True
+    # A blocking pool: when every connection is busy (say, a thousand streams
+    # reading their history at once) a request waits for one instead of
+    # failing with "Too many connections".
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=REDIS_POOL_SIZE,
+        timeout=REDIS_POOL_WAIT_S,
+        health_check_interval=30,
+        socket_keepalive=True,
     )
+    client = redis.Redis.from_pool(pool)
     db = Database(settings.database_url)
     events = EventLog(client, settings)
     app.extensions[EXTENSION] = Services(

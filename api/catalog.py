@@ -1,4 +1,4 @@
-"""The models this farm serves, with their live state."""
+"""The models this farm serves, with their live state: those the caller may use."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
+from api.auth import optional_principal
 from api.services import Services, services
 from db.overrides import ModelOverrides, apply
 from workers.heartbeat import list_workers
@@ -45,12 +46,19 @@ def model_states(svc: Services) -> dict[str, dict[str, Any]]:
 
 @bp.get("/v1/models")
 def list_models() -> Response:
-    """OpenAI's model list shape, each entry extended with Switchyard's state."""
+    """OpenAI's model list shape, each entry extended with Switchyard's state.
+
+    Only the models the caller may use: enabled ones, and without a token only
+    the public ones. A bad token is a 401, as everywhere.
+    """
+    principal = optional_principal()
     svc = services()
     states = model_states(svc)
     overrides = ModelOverrides(svc.db).all()
     data = []
     for d in (apply(d, overrides.get(d.name)) for d in svc.catalog):
+        if not d.enabled or (principal is None and not d.public):
+            continue
         data.append(
             {
                 "id": d.name,

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import require_principal
 from api.errors import NotFound, ValidationFailed
+from api.jobs import served_model
 from api.openapi import spec
 from api.schemas import GenerationParams, json_body, parse
 from api.services import services
@@ -122,9 +123,7 @@ def _changes(fields: ChatFields) -> dict[str, Any]:
         changes[name] = value
     model = changes.get("model")
     if model is not None:
-        definition = services().catalog.get(model)
-        if definition is None or not definition.enabled:
-            raise NotFound(f"model {model!r} is not served here", field="model")
+        served_model(model)  # the job path's check: the YAML with run-time overrides
     return changes
 
 

@@ -80,11 +80,13 @@ def openai_body(error: ApiError) -> dict[str, Any]:
 
 
 _TGI_TYPES = {429: "overloaded", 503: "overloaded", 400: "validation", 413: "validation"}
+# TGI's router names a failed generation "generation" (its InferError::GenerationError).
+_TGI_KINDS = {"generation_error": "generation"}
 
 
 def tgi_body(error: ApiError) -> dict[str, Any]:
     """``{"error", "error_type"}`` with TGI's kinds (validation, overloaded, generation)."""
-    kind = _TGI_TYPES.get(error.status, error.error_type)
+    kind = _TGI_TYPES.get(error.status, _TGI_KINDS.get(error.error_type, error.error_type))
     if error.status == 422:
         kind = "validation"
     body: dict[str, Any] = {"error": error.message, "error_type": kind}

@@ -10,6 +10,7 @@ cancelling halves.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import uuid
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from flask import Blueprint, Response, jsonify, request, stream_with_context
+from flask import Blueprint, Response, jsonify, request
 from kombu.exceptions import OperationalError as BrokerError
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
@@ -38,7 +39,7 @@ from api.openapi import Header, spec
 from api.schemas import JobRequest, json_body, parse
 from api.services import services
 from api.sock import sock
-from api.streams import SlowClient, drop_laggard, send_frame
+from api.streams import LagWatch, SlowClient, drop_laggard, send_frame, sse_response
 from config import ModelDefinition
 from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
@@ -57,7 +58,8 @@ MAX_IDEMPOTENCY_KEY = 255
 
 IDEMPOTENCY_HEADER = Header(
     "Idempotency-Key",
-    "A retried submission with the same key (per user) returns the first job, not a new one.",
+    "A retried submission with the same key (per user) returns the first job, not a new one; "
+    "the key reused for a different request is a 422.",
     {"type": "string", "maxLength": MAX_IDEMPOTENCY_KEY},
 )
 
@@ -135,6 +137,34 @@ def idempotency_key_header() -> str | None:
     return key
 
 
+def request_hash(req: JobRequest) -> str:
+    """SHA-256 (hex) of what a job is made of: model, input, sampling params, deadline.
+
+    Two requests with the same hash make the same job, whichever front door
+    or JSON spelling they came with.
+    """
+    canonical = {
+        "model": req.model,
+        "messages": [m.model_dump() for m in req.messages] if req.messages is not None else None,
+        "prompt": req.prompt,
+        "params": req.params.given(),
+        "deadline_s": req.deadline_s,
+    }
+    raw = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _replay(earlier: Job, digest: str) -> Submitted:
+    """The earlier job of an idempotency key; 422 when it was made for another request."""
+    if earlier.request_hash is not None and earlier.request_hash != digest:
+        raise ValidationFailed(
+            "Idempotency-Key: keys for idempotent requests can only be used with the same "
+            f"parameters; this key was first used for job {earlier.id} with different ones",
+            field="Idempotency-Key",
+        )
+    return Submitted(earlier, replayed=True)
+
+
 def submit_job(
     req: JobRequest, principal: Principal | None, *, idempotency_key: str | None = None
 ) -> Submitted:
@@ -144,9 +174,11 @@ def submit_job(
     stored or counted when the request cannot be served: 404 unknown or
     disabled model, 401 private model without a token, 422 a parameter over
     the model's limits, 503 a model that can never get a worker, 429 (with
-    Retry-After) a full queue or a caller over their limits. With
+    Retry-After) a full queue or a caller over their limits. A refused request
+    is not counted against the caller's requests per minute. With
     ``idempotency_key``, a job already submitted with that key by the same
-    caller is returned instead of a new one (before any limit is counted).
+    caller is returned instead of a new one (before any limit is counted), or
+    422 when the key was first used for a different request.
     """
     svc = services()
     definition = served_model(req.model)
@@ -158,20 +190,25 @@ def submit_job(
             f"params.max_new_tokens: at most {definition.limits.max_new_tokens} for {req.model}",
             field="params.max_new_tokens",
         )
-    scoped_key = None
+    scoped_key = digest = None
     if idempotency_key is not None:
         scope = str(principal.user_id) if principal is not None else "anon"
         scoped_key = f"{scope}:{idempotency_key}"
+        digest = request_hash(req)
         earlier = svc.jobs.by_idempotency_key(scoped_key)
         if earlier is not None:
-            return Submitted(earlier, replayed=True)
+            return _replay(earlier, digest)
     check_capacity(definition, svc.redis, svc.db, svc.settings)
+    check_queue(definition, svc.jobs, svc.settings)
     caller = caller_for(principal, client_address(), svc.settings)
     limiter = Limiter(svc.redis, svc.settings)
-    limiter.admit_request(caller)
-    check_queue(definition, svc.jobs, svc.settings)
+    admission = limiter.admit_request(caller)
     job_id = str(uuid.uuid4())
-    reserved = limiter.reserve_slot(caller, job_id, svc.jobs)
+    try:
+        reserved = limiter.reserve_slot(caller, job_id, svc.jobs)
+    except BaseException:
+        limiter.refund_request(caller, admission)  # refused: not a request served
+        raise
     wait_s: float | None = svc.settings.queue_deadline_s or None
     if req.deadline_s is not None:
         wait_s = min(req.deadline_s, wait_s) if wait_s else req.deadline_s
@@ -185,18 +222,22 @@ def submit_job(
             params=params,
             deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
             idempotency_key=scoped_key,
+            request_hash=digest,
         )
     except DuplicateIdempotencyKey:
         # A concurrent twin of this request won the insert: answer with its job.
         if reserved:
             limiter.release_slot(caller, job_id)
+        limiter.refund_request(caller, admission)
         earlier = svc.jobs.by_idempotency_key(scoped_key or "")
         if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
             raise Unavailable("the job queue is unavailable; retry shortly") from None
-        return Submitted(earlier, replayed=True)
+        return _replay(earlier, digest or "")
     except BaseException:
         if reserved:
             limiter.release_slot(caller, job_id)
+        with contextlib.suppress(Exception):
+            limiter.refund_request(caller, admission)
         raise
     try:
         svc.events.append(job_id, [JobEvent(seq=0, type="queued", fields={"model": req.model})])
@@ -206,10 +247,12 @@ def submit_job(
     except Exception as exc:  # broker or Redis down: nothing was accepted
         log.warning("could not enqueue job %s: %s", job_id, type(exc).__name__)
         svc.jobs.delete(job_id)
-        if reserved:
-            # Redis may be what is down; the prune on the caller's next refusal frees it.
-            with contextlib.suppress(Exception):
+        # Redis may be what is down; the prune on the caller's next refusal frees
+        # the slot, and the window forgets the request within a minute.
+        with contextlib.suppress(Exception):
+            if reserved:
                 limiter.release_slot(caller, job_id)
+            limiter.refund_request(caller, admission)
         if isinstance(exc, (BrokerError, OSError)) or "redis" in type(exc).__module__:
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         raise
@@ -218,7 +261,12 @@ def submit_job(
 
 
 def visible_job(job_id: str, principal: Principal | None) -> Job:
-    """A job the caller may see; 404 for unknown ids and other users' jobs alike."""
+    """A job the caller may see (and cancel); 404 for unknown ids and other users' jobs alike.
+
+    A user's job: its owner, operators and admins. An anonymous job (a public
+    model, no token): whoever has its id, which is a capability like a
+    capability URL (122 random bits, only ever given to its submitter).
+    """
     job = services().jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}")
@@ -262,7 +310,7 @@ def cancel(job_id: str) -> CancelResult:
     """
     svc = services()
     if svc.jobs.cancel_queued(job_id):
-        seq = svc.events.last_seq(job_id) + 1
+        seq = svc.events.next_seq(job_id)
         svc.events.append(
             job_id,
             [JobEvent(seq=seq, type="done", fields={"finish_reason": "cancelled", "text": ""})],
@@ -286,28 +334,40 @@ def expire_if_due(job: Job) -> bool:
     svc = services()
     if not svc.jobs.expire_queued(job.id):
         return False
-    seq = svc.events.last_seq(job.id) + 1
+    seq = svc.events.next_seq(job.id)
     svc.events.append(job.id, [JobEvent(seq=seq, type="error", fields={"error": "expired"})])
     return True
 
 
-def follow_job(job: Job, after: int = -1, *, idle_s: float) -> Iterator[JobEvent | None]:
+def follow_job(
+    job: Job, after: int = -1, *, idle_s: float, watch: LagWatch | None = None
+) -> Iterator[JobEvent | None]:
     """Every event of ``job`` after seq ``after``, ending after the final one.
 
     Yields None after each ``idle_s`` of silence, so a caller can send a
     keep-alive (which is also how a vanished client is noticed); expires the
-    job when it is still queued past its deadline.
+    job when it is still queued past its deadline. With ``watch`` (a
+    websocket's), the subscription joins it and :class:`SlowClient` is raised
+    once its buffer overflowed: the socket's reader is too slow.
     """
     with services().hub.subscribe(job.id) as sub:
-        last = after
-        while True:
-            for event in sub.events(last, idle_timeout=idle_s):
-                last = event.seq
-                yield event
-                if event.final:
-                    return
-            expire_if_due(job)
-            yield None
+        if watch is not None:
+            watch.add(sub)
+        try:
+            last = after
+            while True:
+                for event in sub.events(last, idle_timeout=idle_s):
+                    if watch is not None and sub.lagging:
+                        raise SlowClient("the subscription is lagging")
+                    last = event.seq
+                    yield event
+                    if event.final:
+                        return
+                expire_if_due(job)
+                yield None
+        finally:
+            if watch is not None:
+                watch.discard(sub)
 
 
 def final_event(job: Job, *, idle_s: float) -> JobEvent:
@@ -397,9 +457,13 @@ def get_job(job_id: str) -> Response:
 
 
 @bp.delete("/v1/jobs/<job_id>")
-@spec("Cancel a job", tags=("jobs",), auth="required")
+@spec(
+    "Cancel a job",
+    tags=("jobs",),
+    description="Whoever may read a job may cancel it: an anonymous job, anyone with its id.",
+)
 def cancel_job(job_id: str) -> tuple[Response, int]:
-    principal = require_principal()
+    principal = optional_principal()
     svc = services()
     job = visible_job(job_id, principal)
     result = cancel(job_id)
@@ -431,9 +495,9 @@ def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
     visible_job(job_id, optional_principal(allow_query=True))
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
-    hub = services().hub
-    keepalive_s = services().settings.stream_keepalive_s
-    sub = hub.subscribe(job_id)
+    svc = services()
+    keepalive_s = svc.settings.stream_keepalive_s
+    sub = svc.hub.subscribe(job_id)
 
     def generate() -> Iterator[str]:
         try:
@@ -451,12 +515,10 @@ def job_events(job_id: str) -> Response:
                     return
                 yield ": keep-alive\n\n"
         finally:
+            # Also when a write timed out: the job runs on, Last-Event-ID resumes.
             sub.close()
 
-    response = Response(stream_with_context(generate()), mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"
-    return response
+    return sse_response(generate(), svc.settings.ws_send_timeout_s)
 
 
 def job_socket(ws: Any, job_id: str) -> None:
@@ -464,9 +526,11 @@ def job_socket(ws: Any, job_id: str) -> None:
 
     A client that does not take a frame within ``ws_send_timeout_s``, or falls
     ``relay_max_buffered_events`` behind, is closed with 4008 "client too slow".
+    A client that left is noticed within ``stream_keepalive_s`` even while the
+    job is quiet (queued), so its thread is not held until the job ends.
     """
     try:
-        visible_job(job_id, optional_principal(allow_query=True))
+        job = visible_job(job_id, optional_principal(allow_query=True))
         after = _after_param(request.args.get("after"))
     except ApiError as exc:
         ws.send(json.dumps({"type": "error", **exc.body(), "status": exc.status}))
@@ -475,22 +539,34 @@ def job_socket(ws: Any, job_id: str) -> None:
             message=exc.message[:120],
         )
         return
-    svc = services()
-    timeout_s = svc.settings.ws_send_timeout_s
-    with svc.hub.subscribe(job_id) as sub:
-        try:
-            for event in sub.events(after):
-                if sub.lagging:
-                    raise SlowClient("the subscription is lagging")
-                send_frame(ws, event.to_json(), timeout_s, give_up=lambda: sub.lagging)
-        except ConnectionClosed:
-            return
-        except SlowClient as exc:
-            # The job runs on; the client may re-attach with ?after=<seq>.
-            log.info("websocket of job %s dropped: %s", job_id, exc)
-            drop_laggard(ws, exc)
-            return
-    ws.close(reason=1000, message="done")
+    settings = services().settings
+    timeout_s = settings.ws_send_timeout_s
+    watch = LagWatch()
+    try:
+        for event in follow_job(job, after, idle_s=settings.stream_keepalive_s, watch=watch):
+            if event is None:
+                if not ws.connected:  # gone (or closed for a too big message) meanwhile
+                    return
+                continue
+            send_frame(ws, event.to_json(), timeout_s, give_up=lambda: watch.lagging)
+    except ConnectionClosed:
+        return
+    except SlowClient as exc:
+        # The job runs on; the client may re-attach with ?after=<seq>.
+        log.info("websocket of job %s dropped: %s", job_id, exc)
+        drop_laggard(ws, exc)
+        return
+    except Exception:
+        # Past the handshake, an error response would be written into the
+        # websocket as garbage frames: close with 1011 (internal error)
+        # instead; the client may re-attach with ?after=<seq>.
+        log.exception("websocket of job %s failed", job_id)
+        with contextlib.suppress(Exception):
+            ws.close(reason=1011, message="internal error")
+        return
+    # The client may close first, on reading `done`: its socket is gone then.
+    with contextlib.suppress(ConnectionClosed, OSError):
+        ws.close(reason=1000, message="done")
 
 
 sock.route("/v1/jobs/<job_id>/ws", bp=bp)(

@@ -4,7 +4,9 @@ Per-caller counters live in Redis, so every API process enforces the same
 numbers; each check-and-count is one Lua script, hence atomic across processes.
 
 * Requests per minute: a sliding window, a sorted set of admission times
-  (Redis's own clock, so API hosts need not agree on the time).
+  (Redis's own clock, so API hosts need not agree on the time). A request
+  refused by a later check (its concurrency slot) takes its entry back out, so
+  only accepted requests count.
 * Concurrent jobs: a sorted set of the caller's job ids. A job leaves it when
   the set is full and the database says the job has ended (the API does not see
   every job end, so the set is pruned against Postgres, the source of truth,
@@ -109,10 +111,15 @@ class Limiter:
     def _key(self, kind: str, caller: Caller) -> str:
         return self.settings.key("limit", kind, caller.key)
 
-    def admit_request(self, caller: Caller) -> None:
-        """Count one generation request; :class:`RateLimited` past the per-minute limit."""
+    def admit_request(self, caller: Caller) -> str | None:
+        """Count one generation request; :class:`RateLimited` past the per-minute limit.
+
+        Returns the request's entry in the window (None: the caller has no
+        limit), for :meth:`refund_request` should a later check refuse it.
+        """
         if caller.requests_per_minute <= 0:
-            return
+            return None
+        entry = uuid.uuid4().hex
         wait_ms = int(
             cast(
                 int,
@@ -122,7 +129,7 @@ class Limiter:
                     self._key("rpm", caller),
                     caller.requests_per_minute,
                     WINDOW_MS,
-                    uuid.uuid4().hex,
+                    entry,
                 ),
             )
         )
@@ -131,6 +138,12 @@ class Limiter:
                 f"at most {caller.requests_per_minute} requests per minute; retry later",
                 wait_ms / 1000,
             )
+        return entry
+
+    def refund_request(self, caller: Caller, entry: str | None) -> None:
+        """Take back a request counted by :meth:`admit_request` that was then refused."""
+        if entry is not None:
+            self.redis.zrem(self._key("rpm", caller), entry)
 
     def reserve_slot(self, caller: Caller, job_id: str, jobs: JobStore) -> bool:
         """Hold one of the caller's concurrent-job slots for ``job_id``.

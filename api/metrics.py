@@ -13,8 +13,9 @@ hosts without ``PROMETHEUS_MULTIPROC_DIR``:
   template, method and status (recorded here, per request).
 
 Every series is farm-wide: scrape one API replica (or the service address),
-not each one. The route is unauthenticated, like most exporters; keep it on
-the internal network.
+not each one. The route is unauthenticated by default, like most exporters;
+keep it on the internal network, or set ``metrics_token_required`` and give the
+scraper an operator's token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from api.auth import require_role
 from api.services import Services, services
 from tasks import metrics as m
 from tasks.messages import BrokerView
@@ -161,6 +163,8 @@ class FarmCollector:
 
 @bp.get("/metrics")
 def metrics() -> Response:
+    if services().settings.metrics_token_required:
+        require_role("operator", "admin")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FarmCollector(services()))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -10,11 +10,20 @@ Client frames (JSON text):
 
 Server frames, each tagged with the request's ``id``: ``queued`` (with
 ``job_id`` and ``position``, the jobs of the model queued ahead of it; sent
-again whenever the position changes while the job waits), ``started``, ``token`` (``text``),
-``restart``, ``done`` (``finish_reason``, ``text``, ``usage``, ``timings``) and
-``error`` (``error``, ``error_type``, ``status``, ``field``; a 429 also has
-``retry_after``). A malformed frame is answered with an ``error`` frame, the
-socket stays open.
+again whenever the position changes while the job waits), then the job's
+events with the same fields as on ``/v1/jobs/<id>/ws`` plus ``id`` and
+``job_id``: ``started`` (``attempt``, ``worker``), ``token`` (``text``),
+``restart`` (``reason``, ``attempt``, ``worker``), ``done`` (``finish_reason``,
+``text``, ``usage``, ``timings``) and ``error`` (``error``, ``error_type``,
+``status``, ``field``; a 429 also has ``retry_after``). A malformed frame is
+answered with an ``error`` frame, the socket stays open.
+
+Limits: a message above ``ws_max_message_bytes`` closes the socket with 1009;
+messages beyond ``ws_max_messages_per_s`` (a token bucket holding
+``ws_message_burst``) are each answered with an ``error`` frame of
+``error_type`` ``rate_limited`` (status 429, ``retry_after``) and not acted on;
+the ``ws_message_burst``-th refusal in a row closes the socket with 1008
+instead. A client that reads too slowly is closed with 4008, as on a job's socket.
 
 Authentication is the connection's: the ``Authorization`` header, the
 ``bearer.<token>`` subprotocol (browsers: ``new WebSocket(url, ["switchyard",
@@ -30,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,12 +52,14 @@ from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
 from api.jobs import cancel, follow_job, submit_job
 from api.limits import RateLimited
 from api.openapi import spec
-from api.schemas import JobRequest, field_name
+from api.schemas import JobRequest, field_name, reject_nul
 from api.services import services
 from api.sock import sock
-from api.streams import SlowClient, drop_laggard, send_frame
+from api.streams import LagWatch, SlowClient, close_now, drop_laggard, send_frame
+from config import Settings
 from db.accounts import Principal
 from db.schema import Job, JobStatus
+from tasks.events import JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +68,53 @@ bp = Blueprint("multiplex", __name__)
 # Seconds between two looks at a waiting job's queue position.
 POSITION_POLL_S = 1.0
 MAX_ID = 64
+# The close code and reason for a client that keeps sending past its rate.
+CLOSE_FLOOD = 1008
+CLOSE_FLOOD_REASON = "too many messages"
+
+
+def event_frame(event: JobEvent, request_id: str, job_id: str) -> dict[str, Any]:
+    """The frame of a job event on this socket: the event as a job's own socket sends it,
+    tagged with the request's ``id`` and the ``job_id``; an ``error`` also gets the
+    ``error_type`` and ``status`` of the socket's other error frames."""
+    frame = {**event.as_dict(), "id": request_id, "job_id": job_id}
+    if event.type == "error":
+        expired = frame.get("error") == "expired"
+        frame.setdefault("error", "error")
+        frame["error_type"] = "expired" if expired else "generation_error"
+        frame["status"] = 503 if expired else 500
+    return frame
+
+
+class MessageRate:
+    """A token bucket of one socket's client messages; counts refusals in a row."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.rate = settings.ws_max_messages_per_s
+        self.burst = settings.ws_message_burst
+        self.tokens = float(self.burst)
+        self.stamp = time.monotonic()
+        self.refused_in_a_row = 0
+
+    def take(self) -> bool:
+        """Whether a message may be acted on now."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            self.refused_in_a_row = 0
+            return True
+        self.refused_in_a_row += 1
+        return False
+
+    @property
+    def flooding(self) -> bool:
+        """True once ``burst`` messages in a row were refused."""
+        return self.refused_in_a_row >= self.burst
+
+    def retry_after_s(self) -> float:
+        return (1 - self.tokens) / self.rate
 
 
 class GenerateFrame(JobRequest):
@@ -92,6 +151,8 @@ class Session:
         self.app = app
         self.principal = principal
         self.closed = threading.Event()
+        self.watch = LagWatch()
+        self.rate = MessageRate(services().settings)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -105,15 +166,19 @@ class Session:
             with self._send_lock:
                 if self.closed.is_set():
                     return
-                send_frame(self.ws, data, timeout_s)
+                send_frame(self.ws, data, timeout_s, give_up=lambda: self.watch.lagging)
         except (ConnectionClosed, OSError):
             self.closed.set()
         except SlowClient as exc:
-            # Closing cancels the socket's jobs that are not detached, as any close does.
-            log.info("multiplexed websocket dropped: %s", exc)
-            self.closed.set()
-            with self._send_lock:
-                drop_laggard(self.ws, exc)
+            self.drop(exc)
+
+    def drop(self, reason: SlowClient) -> None:
+        """Close a too-slow client (4008); closing cancels the jobs that are not detached,
+        as any close does."""
+        log.info("multiplexed websocket dropped: %s", reason)
+        self.closed.set()
+        with self._send_lock:
+            drop_laggard(self.ws, reason)
 
     def send_error(self, request_id: str | None, error: ApiError) -> None:
         frame: dict[str, Any] = {"type": "error", "id": request_id, **error.body()}
@@ -128,12 +193,16 @@ class Session:
         """Act on one client frame; every failure becomes an ``error`` frame."""
         request_id: str | None = None
         try:
+            if not self.rate.take():
+                self._refuse()
+                return
             if isinstance(raw, bytes):
                 raise BadRequest("frames are JSON text, not binary")
             try:
                 data = json.loads(raw)
             except (ValueError, RecursionError):
                 raise BadRequest("the frame is not valid JSON") from None
+            reject_nul(data)
             if not isinstance(data, dict):
                 raise ValidationFailed("a frame is a JSON object", field="(frame)")
             if isinstance(data.get("id"), str):
@@ -149,6 +218,23 @@ class Session:
                 raise ValidationFailed("type: one of 'generate', 'cancel', 'ping'", field="type")
         except ApiError as exc:
             self.send_error(request_id, exc)
+
+    def _refuse(self) -> None:
+        """Answer a message over the socket's rate; close a socket that keeps flooding."""
+        if self.rate.flooding:
+            log.info("multiplexed websocket closed: %s", CLOSE_FLOOD_REASON)
+            self.closed.set()
+            with self._send_lock:
+                close_now(self.ws, CLOSE_FLOOD, CLOSE_FLOOD_REASON)
+            return
+        self.send_error(
+            None,
+            RateLimited(
+                f"at most {self.rate.rate:g} messages per second on one socket "
+                f"(bursts of {self.rate.burst}); this message was ignored",
+                self.rate.retry_after_s(),
+            ),
+        )
 
     def _generate(self, frame: GenerateFrame) -> None:
         with self._lock:
@@ -177,9 +263,16 @@ class Session:
     # -- job events ------------------------------------------------------------
 
     def _relay(self, req: _Request, position: int) -> None:
+        # ``finished`` means the job needs no cancel: it ended, or its relay failed
+        # (reported to the client). A relay stopped by the socket's close leaves it
+        # unset, so that close cancels the job (unless detached).
+        ended = True
         with self.app.app_context():
             try:
-                self._forward(req, position)
+                ended = self._forward(req, position)
+            except SlowClient as exc:
+                ended = False
+                self.drop(exc)
             except Exception:  # a relay must never take the socket down
                 log.exception("relay of job %s failed", req.job.id)
                 self.send(
@@ -193,13 +286,15 @@ class Session:
                     }
                 )
             finally:
-                req.finished.set()
+                if ended:
+                    req.finished.set()
 
-    def _forward(self, req: _Request, position: int) -> None:
+    def _forward(self, req: _Request, position: int) -> bool:
+        """Relay the job's events; True after its final event, False when the socket closed."""
         started = False
-        for event in follow_job(req.job, idle_s=POSITION_POLL_S):
+        for event in follow_job(req.job, idle_s=POSITION_POLL_S, watch=self.watch):
             if self.closed.is_set():
-                return
+                return False
             if event is None:
                 if not started:
                     current = services().jobs.get(req.job.id)
@@ -216,30 +311,11 @@ class Session:
                                 }
                             )
                 continue
-            base = {"id": req.id, "job_id": req.job.id, "seq": event.seq}
             if event.type == "queued":
                 continue  # already announced, with the position
-            if event.type == "started":
-                started = True
-                self.send({"type": "started", **base})
-            elif event.type == "token":
-                self.send({"type": "token", **base, "text": event.text})
-            elif event.type == "restart":
-                self.send({"type": "restart", **base})
-            elif event.type == "done":
-                self.send({**event.fields, "type": "done", **base})
-            elif event.type == "error":
-                error = str(event.fields.get("error") or "error")
-                expired = error == "expired"
-                self.send(
-                    {
-                        "type": "error",
-                        **base,
-                        "error": error,
-                        "error_type": "expired" if expired else "generation_error",
-                        "status": 503 if expired else 500,
-                    }
-                )
+            started = started or event.type == "started"
+            self.send(event_frame(event, req.id, req.job.id))
+        return True
 
     def close(self) -> None:
         """The socket is gone: cancel what is not detached, stop every relay."""

@@ -5,7 +5,9 @@ message, a Redis stream. A streaming answer relays the job's events as
 ``chat.completion.chunk`` / ``text_completion`` chunks, ends with
 ``data: [DONE]``, and adds a usage chunk when ``stream_options.include_usage``.
 If the client goes away mid-stream its job is cancelled (noticed on the next
-write: a token, or a keep-alive comment every ``stream_keepalive_s``).
+write: a token, or a keep-alive comment every ``stream_keepalive_s``), and so
+is the job of a client that stops reading: a write it does not take within
+``ws_send_timeout_s`` closes the connection.
 Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
 
 Parameters: model, messages / prompt, max_tokens (max_completion_tokens wins),
@@ -21,7 +23,7 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from flask import Blueprint, Response, jsonify, stream_with_context
+from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api import envelopes
@@ -48,6 +50,7 @@ from api.schemas import (
     parse,
 )
 from api.services import services
+from api.streams import sse_response
 from db.schema import Job
 
 bp = Blueprint("openai", __name__)
@@ -306,16 +309,15 @@ def _stream(
                 ended = True
         yield "data: [DONE]\n\n"
     finally:
-        if not ended:  # the client went away (or the server is stopping): free the slot
+        # The client went away, stopped reading (a write timed out) or the server is
+        # stopping: free the job's slot.
+        if not ended:
             cancel(job.id)
 
 
 def _sse(stream: Iterator[str], job: Job) -> Response:
-    response = Response(stream_with_context(stream), mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"
-    response.headers["X-Job-Id"] = job.id
-    return response
+    timeout_s = services().settings.ws_send_timeout_s
+    return sse_response(stream, timeout_s, headers={"X-Job-Id": job.id})
 
 
 @bp.post("/v1/chat/completions")

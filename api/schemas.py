@@ -99,9 +99,31 @@ def json_body() -> Any:
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
+    if "\\u0000" in text:  # JSON can only carry a NUL escaped
+        reject_nul(data)
+    return data
+
+
+def reject_nul(data: Any, path: tuple[str | int, ...] = ()) -> None:
+    """422 naming the first string (or key) of ``data`` that holds a NUL character.
+
+    No text we store or feed a tokenizer has a use for U+0000, and Postgres
+    cannot store it in a text column: refuse it up front, naming the field.
+    """
+    if isinstance(data, str):
+        if "\x00" in data:
+            field = field_name(path) if path else "(body)"
+            raise ValidationFailed(f"{field}: must not contain NUL (U+0000)", field=field)
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            reject_nul(item, (*path, i))
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            reject_nul(key, path)
+            reject_nul(value, (*path, key))
 
 
 def parse(schema: type[T], data: Any) -> T:

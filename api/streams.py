@@ -13,7 +13,12 @@ One whose reader falls that far behind stops taking live events and is marked
 memory stays bounded and the stream stays gapless. The websocket senders
 (:func:`send_frame`) close a lagging socket, or one whose client does not take
 a frame within ``ws_send_timeout_s``, with :data:`CLOSE_TOO_SLOW`; the job runs
-on and ``?after=<seq>`` re-attaches.
+on and ``?after=<seq>`` re-attaches. A multiplexed socket watches all its
+subscriptions at once (:class:`LagWatch`). SSE responses (:func:`sse_response`)
+get the same write limit as a socket timeout: the server's write of a chunk
+that the client does not take in ``ws_send_timeout_s`` fails, the server
+closes the connection and the stream's generator is closed (its ``finally``
+decides what becomes of the job).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
+from flask import Response, request, stream_with_context
 from simple_websocket import ConnectionClosed
 from wsproto.events import CloseConnection, TextMessage
 
@@ -266,6 +272,50 @@ class RelayHub:
                     sub.offer(event)
 
 
+class LagWatch:
+    """The subscriptions feeding one websocket: it lags as soon as one of them does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: set[Subscription] = set()
+
+    def add(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.add(sub)
+
+    def discard(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    @property
+    def lagging(self) -> bool:
+        with self._lock:
+            return any(sub.lagging for sub in self._subs)
+
+
+def sse_response(
+    body: Iterator[str], timeout_s: float, *, headers: dict[str, str] | None = None
+) -> Response:
+    """A ``text/event-stream`` response of ``body`` whose writes time out after ``timeout_s``.
+
+    The WSGI server (gunicorn's gthread, Werkzeug) writes each chunk with a
+    blocking ``sendall`` on the client's socket, which waits forever for a
+    client that does not read. A timeout on that socket makes the write fail
+    instead: the server closes the connection, frees its thread and closes
+    ``body``. gunicorn resets the socket's mode before it reads the next
+    request of a kept-alive connection.
+    """
+    sock = request.environ.get("gunicorn.socket") or request.environ.get("werkzeug.socket")
+    if isinstance(sock, socket.socket):
+        sock.settimeout(timeout_s)
+    response = Response(stream_with_context(body), mimetype="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
 def send_frame(
     ws: Any, data: str, timeout_s: float, *, give_up: Callable[[], bool] | None = None
 ) -> None:
@@ -284,18 +334,24 @@ def send_frame(
 
 
 def drop_laggard(ws: Any, reason: SlowClient) -> None:
-    """Close a too-slow client's socket with :data:`CLOSE_TOO_SLOW` and free it.
+    """Close a too-slow client's socket with :data:`CLOSE_TOO_SLOW` and free it."""
+    close_now(ws, CLOSE_TOO_SLOW, CLOSE_TOO_SLOW_REASON, partial=reason.partial)
 
-    The close frame goes out when it can within :data:`CLOSE_WRITE_S`; the
-    socket is shut down after it either way, which ends simple-websocket's
-    reader thread and any receive waiting on it.
+
+def close_now(ws: Any, code: int, reason: str, *, partial: bool = False) -> None:
+    """Close ``ws`` with ``code`` without waiting on its client, and free it.
+
+    The close frame goes out when it can within :data:`CLOSE_WRITE_S` (not at
+    all when ``partial``: a frame was cut short); the socket is shut down after
+    it either way, which ends simple-websocket's reader thread and any receive
+    waiting on it.
     """
     if not ws.connected:
         return
     ws.connected = False
-    if not reason.partial:
+    if not partial:
         try:
-            frame = ws.ws.send(CloseConnection(CLOSE_TOO_SLOW, CLOSE_TOO_SLOW_REASON))
+            frame = ws.ws.send(CloseConnection(code, reason))
             _write(ws.sock, frame, CLOSE_WRITE_S, None)
         except Exception:  # the close frame is a courtesy to a socket that is going anyway
             pass

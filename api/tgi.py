@@ -9,9 +9,10 @@ Streams are TGI's SSE events: a ``token`` per event, and a last event with
 ``generated_text`` and ``details`` (``finish_reason``: length, eos_token or
 stop_sequence). Workers coalesce tokens into events, so a ``token`` may hold
 several tokens' text, and token ids and log-probabilities are not reported
-(``id`` is -1, ``logprob`` null). A client that goes away has its job cancelled.
-Errors are TGI's ``{"error", "error_type"}`` bodies (validation, overloaded,
-generation).
+(``id`` is -1, ``logprob`` null). A client that goes away, or stops reading
+for ``ws_send_timeout_s``, has its job cancelled. Errors are TGI's ``{"error",
+"error_type"}`` bodies (validation, overloaded, generation), the same whether
+streamed or not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, request, stream_with_context
+from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api import envelopes
@@ -28,6 +29,7 @@ from api.auth import optional_principal
 from api.errors import NotFound, ValidationFailed
 from api.jobs import (
     IDEMPOTENCY_HEADER,
+    JobFailed,
     authorize_model,
     cancel,
     final_event,
@@ -47,6 +49,7 @@ from api.schemas import (
     parse,
 )
 from api.services import services
+from api.streams import sse_response
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
 
@@ -240,18 +243,16 @@ def _stream(job: Job, body: GenerateRequest) -> Iterator[str]:
             elif event.type == "error":
                 ended = True
                 error = str(event.fields.get("error") or "error")
-                yield _data({"error": error, "error_type": "generation"})
+                # The same body as the non-streaming answer to this failure.
+                yield _data(envelopes.tgi_body(JobFailed(error)))
     finally:
-        if not ended:  # the client went away: free the job's batch slot
+        if not ended:  # the client went away or stopped reading: free the job's batch slot
             cancel(job.id)
 
 
 def _stream_response(job: Job, body: GenerateRequest) -> Response:
-    response = Response(stream_with_context(_stream(job, body)), mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers["X-Accel-Buffering"] = "no"
-    response.headers["X-Job-Id"] = job.id
-    return response
+    timeout_s = services().settings.ws_send_timeout_s
+    return sse_response(_stream(job, body), timeout_s, headers={"X-Job-Id": job.id})
 
 
 def _generate(body: GenerateRequest) -> Response:

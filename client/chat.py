@@ -217,7 +217,7 @@ class ChatSession:
                 self.err.write(f"model: {conv.model}\n")
             else:
                 self.models = self.conn.models()
-                conv.model = pick_model(rest, self.models)
+                conv.model = pick_model(rest, self.models, signed_in=bool(self.conn.token))
                 self.err.write(f"model: {conv.model}\n")
         elif name == "system":
             if rest == "-":
@@ -272,16 +272,23 @@ class ChatSession:
             self.ask(line)
 
 
-def pick_model(wanted: str | None, models: list[Model]) -> str:
-    """``wanted`` if served; else (when none asked) the first model with a ready worker."""
+def pick_model(wanted: str | None, models: list[Model], *, signed_in: bool = True) -> str:
+    """``wanted`` if served; else (when none asked) the first model with a ready worker.
+
+    Without a token the farm lists only its public models, so a model missing
+    from the list may just need one: the message says so.
+    """
     names = [m.name for m in models]
+    hint = ""
+    if not signed_in:
+        hint = " (without a token only public models are listed: pass --token or set SY_TOKEN)"
     if not models:
-        raise ClientError("this farm serves no model")
+        raise ClientError(f"this farm serves no model{hint}")
     if wanted is None:
         ready = [m.name for m in models if m.ready > 0]
         return (ready or names)[0]
     if wanted not in names:
-        raise ClientError(f"unknown model {wanted!r}; this farm serves: {', '.join(names)}")
+        raise ClientError(f"unknown model {wanted!r}; this farm serves: {', '.join(names)}{hint}")
     return wanted
 
 
@@ -322,7 +329,7 @@ def run(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
         conn = Connection(url, token)
         models = conn.models()
         conn.check_token()
-        model = pick_model(args.model, models)
+        model = pick_model(args.model, models, signed_in=token is not None)
         params = parse_params(list(args.param), {})
     except ClientError as exc:
         print(f"switchyard chat: {exc.message}", file=sys.stderr)

@@ -85,8 +85,32 @@ class Settings(BaseModel):
         gt=0,
         le=600,
         description=(
-            "Seconds a websocket frame may wait for a client that does not read before the "
-            "socket is closed with 4008."
+            "Seconds a websocket frame or an SSE write may wait for a client that does not "
+            "read before the connection is closed (websockets with 4008)."
+        ),
+    )
+    ws_max_message_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description=(
+            "Largest websocket message a client may send, in bytes; a larger one closes the "
+            "socket with 1009 'message too big'."
+        ),
+    )
+    ws_max_messages_per_s: float = Field(
+        default=20.0,
+        gt=0,
+        description=(
+            "Messages per second a client may send on one /v1/ws socket (a token bucket); "
+            "past it a message is answered with a 'rate_limited' error frame."
+        ),
+    )
+    ws_message_burst: int = Field(
+        default=50,
+        ge=1,
+        description=(
+            "Messages a /v1/ws client may send at once above ws_max_messages_per_s; after as "
+            "many refused messages in a row the socket is closed with 1008."
         ),
     )
     job_timeout_s: int = Field(
@@ -143,6 +167,15 @@ class Settings(BaseModel):
         description=(
             "Seconds a queued job may lack a broker message (not waiting in its queue, not "
             "freshly delivered) before the reaper sends it again."
+        ),
+    )
+    finish_retry_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds a worker keeps retrying a job's final row while the database is "
+            "unreachable; after that the reaper re-runs the job."
         ),
     )
     worker_prune_after_s: float = Field(
@@ -291,6 +324,13 @@ class Settings(BaseModel):
     )
     admin_requests_per_minute: int = Field(
         default=0, ge=0, description="Generation requests per minute per admin; 0: no limit."
+    )
+    metrics_token_required: bool = Field(
+        default=False,
+        description=(
+            "GET /metrics needs an operator's or admin's API token (scrapers send it as a "
+            "bearer token); off, /metrics is open, like most exporters."
+        ),
     )
     log_level: str = Field(
         default="INFO",

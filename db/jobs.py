@@ -58,6 +58,7 @@ class JobStore:
         params: dict[str, Any],
         deadline_at: datetime | None = None,
         idempotency_key: str | None = None,
+        request_hash: str | None = None,
     ) -> Job:
         """Insert a queued job.
 
@@ -76,6 +77,7 @@ class JobStore:
             created_at=utcnow(),
             deadline_at=deadline_at,
             idempotency_key=idempotency_key,
+            request_hash=request_hash,
         )
         try:
             with self.db.session() as s:

@@ -127,6 +127,9 @@ class Job(Base):
     # "<scope>:<Idempotency-Key>", scope being the user id or "anon": a retried
     # submission with the same key finds this job instead of making a second one.
     idempotency_key: Mapped[str | None] = mapped_column(String(320), nullable=True, unique=True)
+    # SHA-256 (hex) of the request an idempotency key was first used with: a
+    # reuse of the key for another request is refused, not answered with this job.
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Chat(Base):

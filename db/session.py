@@ -30,7 +30,17 @@ class Database:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
         else:
-            kwargs.update(pool_size=10, max_overflow=40, pool_recycle=1800)
+            kwargs.update(pool_size=10, max_overflow=40, pool_recycle=1800, pool_timeout=10)
+        if url.startswith("postgresql"):
+            # A server that stops answering (host gone, packets dropped) fails a
+            # request in seconds instead of hanging it: the API answers 503.
+            kwargs["connect_args"] = {
+                "connect_timeout": 5,
+                "keepalives": 1,
+                "keepalives_idle": 30,
+                "keepalives_interval": 10,
+                "keepalives_count": 3,
+            }
         self.engine: Engine = create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)

@@ -72,5 +72,7 @@ def test_paris_over_gunicorn_websocket_and_sse(
     ).json()
     assert job["status"] == "succeeded" and job["output_text"] == text
     assert job["finish_reason"] == "eos_token"
-    models = requests.get(f"{gunicorn_url}/v1/models", timeout=30).json()["data"]
+    models = requests.get(
+        f"{gunicorn_url}/v1/models", headers={"Authorization": f"Bearer {user_token}"}, timeout=30
+    ).json()["data"]
     assert next(m for m in models if m["id"] == "smollm2-135m")["state"]["replicas_ready"] == 1

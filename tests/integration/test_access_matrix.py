@@ -107,6 +107,11 @@ def token_checked(authed: int | set[int]) -> Expect:
     }
 
 
+def token_optional(ok: int) -> Expect:
+    """``ok`` without a token or with a valid one; a revoked or expired token: 401."""
+    return {**everyone(ok), "revoked": 401, "expired": 401}
+
+
 def role_checked(roles: tuple[str, ...], ok: int) -> Expect:
     """``ok`` for ``roles``, 403 for other token holders, 401 without a valid token."""
     return {
@@ -148,12 +153,13 @@ ROUTES: dict[tuple[str, str], Case] = {
     # Public: no token needed, and none is looked at.
     ("GET", "/healthz"): Case("/healthz", everyone(200)),
     ("GET", "/readyz"): Case("/readyz", everyone(200)),
-    ("GET", "/v1/models"): Case("/v1/models", everyone(200)),
     ("GET", "/openapi.json"): Case("/openapi.json", everyone(200)),
     ("GET", "/"): Case("/", everyone(200)),
     ("GET", "/ops"): Case("/ops", everyone(200)),
     ("GET", "/assets/<path:filename>"): Case("/assets/app.js", everyone(200)),
     ("GET", "/metrics"): Case("/metrics", everyone(200)),
+    # What the caller may use (public models without a token); a bad token is refused.
+    ("GET", "/v1/models"): Case("/v1/models", token_optional(200)),
     # Per model: a private model needs a valid token.
     ("GET", "/info"): Case(f"/info?model={MODEL}", token_checked(200)),
     ("POST", "/tokenize"): Case(

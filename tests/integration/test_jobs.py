@@ -156,7 +156,9 @@ def test_cancel_queued_job_is_never_started_and_queued_job_runs_when_worker_star
     assert [e["type"] for e in events] == ["queued", "done"]
     assert events[-1]["finish_reason"] == "cancelled"
 
-    models = requests.get(f"{api_url}/v1/models", timeout=30).json()["data"]
+    # A private model is listed to token holders only.
+    auth = {"Authorization": f"Bearer {user_token}"}
+    models = requests.get(f"{api_url}/v1/models", headers=auth, timeout=30).json()["data"]
     late = next(m for m in models if m["id"] == "tiny-late")
     assert late["state"]["replicas_ready"] == 0
     assert late["state"]["queue_depth"] >= 1
@@ -166,7 +168,7 @@ def test_cancel_queued_job_is_never_started_and_queued_job_runs_when_worker_star
         farm.wait_ready(migrated, "tiny-late", proc)
         job = wait_final(api_url, user_token, waiting)
         assert job["status"] == "succeeded"
-        models = requests.get(f"{api_url}/v1/models", timeout=30).json()["data"]
+        models = requests.get(f"{api_url}/v1/models", headers=auth, timeout=30).json()["data"]
         assert next(m for m in models if m["id"] == "tiny-late")["state"]["replicas_ready"] == 1
         time.sleep(1.0)
         final = get_job(api_url, user_token, cancelled)
@@ -271,13 +273,14 @@ def test_other_users_job_is_not_found(
 def test_bad_job_bodies(
     api_url: str, user_token: str, body: dict[str, Any], status: int, field: str
 ) -> None:
-    before = requests.get(f"{api_url}/v1/models", timeout=30).json()
+    auth = {"Authorization": f"Bearer {user_token}"}
+    before = requests.get(f"{api_url}/v1/models", headers=auth, timeout=30).json()
     r = submit(api_url, user_token, body)
     assert r.status_code == status, r.text
     assert r.headers["Content-Type"] == "application/json"
     assert r.json()["field"] == field
     assert r.json()["error"]
-    after = requests.get(f"{api_url}/v1/models", timeout=30).json()
+    after = requests.get(f"{api_url}/v1/models", headers=auth, timeout=30).json()
     depth = {m["id"]: m["state"]["queue_depth"] for m in after["data"]}
     assert depth == {m["id"]: m["state"]["queue_depth"] for m in before["data"]}
 
@@ -345,8 +348,11 @@ def test_health_and_readiness(api_url: str) -> None:
     assert ready.json()["checks"] == {"database": "ok", "redis": "ok"}
 
 
-def test_models_list_the_catalog_with_state(api_url: str, tiny_worker: farm.Process) -> None:
-    body = requests.get(f"{api_url}/v1/models", timeout=30).json()
+def test_models_list_the_catalog_with_state(
+    api_url: str, user_token: str, tiny_worker: farm.Process
+) -> None:
+    auth = {"Authorization": f"Bearer {user_token}"}  # private models: token holders only
+    body = requests.get(f"{api_url}/v1/models", headers=auth, timeout=30).json()
     assert body["object"] == "list"
     by_id = {m["id"]: m for m in body["data"]}
     assert {"smollm2-135m", "tiny-random", "tiny-late"} <= set(by_id)

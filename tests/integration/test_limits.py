@@ -101,6 +101,36 @@ def test_requests_per_minute_are_counted_across_api_servers(
     cancel_all(a, token)
 
 
+def test_only_accepted_requests_count_against_the_per_minute_limit(
+    two_apis: tuple[str, str], limits_settings: Settings
+) -> None:
+    token = farm.make_token(limits_settings, requests_per_minute=2, max_concurrent_jobs=1)
+    a, b = two_apis
+    first = submit(a, token, "tiny-capped")
+    assert first.status_code == 202
+    # Two refusals, on both servers: a full queue... (tiny-capped holds 2: fill it)
+    other = farm.make_token(limits_settings, requests_per_minute=0, max_concurrent_jobs=0)
+    filler = submit(b, other, "tiny-capped")
+    assert filler.status_code == 202
+    full = submit(b, token, "tiny-capped")
+    assert_429(full)
+    assert "queue" in full.json()["error"]
+    # ...and the caller's one concurrent job.
+    busy = submit(a, token)
+    assert_429(busy)
+    assert "at once" in busy.json()["error"]
+    requests.delete(f"{a}/v1/jobs/{first.json()['id']}", headers=auth(token), timeout=30)
+    # The refusals were not counted: this is the second request of the minute.
+    second = submit(b, token)
+    assert second.status_code == 202, second.text
+    cancel_all(a, token)
+    # And the limit still holds: a third accepted request would be one too many.
+    third = submit(a, token)
+    assert_429(third)
+    assert "per minute" in third.json()["error"]
+    cancel_all(a, other)
+
+
 def test_concurrent_jobs_are_limited_and_freed_when_a_job_ends(
     two_apis: tuple[str, str], limits_settings: Settings
 ) -> None:
@@ -170,6 +200,29 @@ def test_idempotency_key_returns_the_same_job(
         answers = list(pool.map(lambda u: submit(u, token, headers=race), [a, b, a, b]))
     assert {r.status_code for r in answers} == {202}
     assert len({r.json()["id"] for r in answers}) == 1
+    # The key reused for another request is refused, not answered with the first job.
+    changed = submit(b, token, headers=key, prompt="something else")
+    assert changed.status_code == 422, changed.text
+    assert changed.json()["field"] == "Idempotency-Key"
+    assert "same parameters" in changed.json()["error"]
+    # Through the OpenAI door too, which keeps its envelope.
+    chat = {
+        "model": "tiny-late",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    chat_key = {**auth(token), "Idempotency-Key": f"chat-{uuid.uuid4()}"}
+    with requests.post(
+        f"{a}/v1/chat/completions", json=chat, headers=chat_key, stream=True, timeout=30
+    ) as first_chat:
+        assert first_chat.status_code == 200
+        assert first_chat.headers["X-Job-Id"]
+    r = requests.post(
+        f"{b}/v1/chat/completions", json={**chat, "max_tokens": 3}, headers=chat_key, timeout=30
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "Idempotency-Key"
     bad = submit(a, token, headers={"Idempotency-Key": "x" * 300})
     assert bad.status_code == 400 and bad.json()["field"] == "Idempotency-Key"
     cancel_all(a, token)

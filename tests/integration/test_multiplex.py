@@ -89,6 +89,9 @@ def test_two_concurrent_requests_and_a_cancel_on_one_socket(
         text = "".join(f["text"] for f in own if f["type"] == "token")
         assert own[-1]["type"] == "done"
         assert own[-1]["text"] == text
+        # The same fields as the job's own stream: which attempt, on which worker.
+        started = [f for f in own if f["type"] == "started"]
+        assert len(started) == 1 and started[0]["attempt"] == 1 and started[0]["worker"], rid
     assert by_id["a"][-1]["finish_reason"] in ("length", "eos_token")
     assert by_id["b"][-1]["finish_reason"] == "cancelled"
     job_b = job_status(api_url, token, by_id["b"][0]["job_id"])

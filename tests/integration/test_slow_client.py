@@ -25,13 +25,19 @@ SMALL_BUFFER = 1024
 
 
 @contextmanager
-def serve_with_small_send_buffers(settings: Settings) -> Iterator[str]:
-    """The real app on Werkzeug's threaded server, each accepted socket with a small send buffer."""
+def serve_with_small_send_buffers(
+    settings: Settings, sock_options: dict[str, Any] | None = None
+) -> Iterator[str]:
+    """The real app on Werkzeug's threaded server, each accepted socket with a small send buffer.
+
+    ``sock_options`` change the websocket server's options (e.g. its ping interval).
+    """
     from werkzeug.serving import make_server
 
     from api import create_app
 
     app = create_app(settings)
+    app.config["SOCK_SERVER_OPTIONS"].update(sock_options or {})
     server = make_server("127.0.0.1", 0, app, threaded=True)
     accept = server.get_request
 
