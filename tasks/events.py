@@ -101,6 +101,15 @@ class EventLog:
             return -1
         return JobEvent.from_json(entries[0][1][b"e"]).seq
 
+    def next_seq(self, job_id: str) -> int:
+        """The seq of the next event of a job the API accepted: at least 1.
+
+        Seq 0 is the ``queued`` event written at submission. An empty stream
+        lost its history since (Redis restarted without persistence); reusing
+        seq 0 would hide the next event from a client that saw the first.
+        """
+        return max(self.last_seq(job_id) + 1, 1)
+
     def cancel_key(self, job_id: str) -> str:
         return self.settings.key("cancel", job_id)
 

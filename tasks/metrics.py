@@ -74,7 +74,7 @@ JOBS_FINISHED = CounterSpec(
 )
 JOB_RESTARTS = CounterSpec(
     "job_restarts",
-    "Jobs sent back to the queue mid-generation (worker_lost, worker_draining).",
+    "Jobs sent back to the queue mid-generation (worker_lost, worker_draining, abandoned).",
     ("model", "reason"),
 )
 JOBS_RESENT = CounterSpec(

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
             "SWITCHYARD_HEARTBEAT_INTERVAL_S": str(settings.heartbeat_interval_s),
             "SWITCHYARD_HEARTBEAT_TTL_S": str(settings.heartbeat_ttl_s),
             "SWITCHYARD_REAPER_INTERVAL_S": str(settings.reaper_interval_s),
+            "SWITCHYARD_REAPER_IN_API": "1" if settings.reaper_in_api else "0",
             "SWITCHYARD_MAX_ATTEMPTS": str(settings.max_attempts),
             "SWITCHYARD_RECONCILE_AFTER_S": str(settings.reconcile_after_s),
             "SWITCHYARD_WORKER_GRACE_S": str(settings.worker_grace_s),
@@ -182,6 +183,17 @@ def serve_app_in_thread(settings: Settings) -> Iterator[str]:
     finally:
         server.shutdown()
         app.extensions["switchyard"].close()
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120, every: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something truthy, and return that; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def wait_http(url: str, timeout: float = 60) -> None:

@@ -82,6 +82,7 @@ def run_worker(settings: Settings, model: str) -> int:
         r.busy_slots = engine.busy_slots
         r.tokens_per_s = round(engine.tokens_per_second(), 2)
         r.last_job = runner.last_job
+        r.active_jobs = runner.active_jobs
 
     from workers.health import HealthMonitor
     from workers.runner import JobRunner

@@ -37,6 +37,10 @@ class WorkerReport:
     total_slots: int = 0
     tokens_per_s: float = 0.0
     last_job: str | None = None
+    # The jobs this worker is running now; None until it serves (and from
+    # workers that predate the field). The reaper re-runs a job left
+    # ``running`` on a live worker that no longer lists it.
+    active_jobs: list[str] | None = None
     error: str | None = None
     started_at: float = field(default_factory=time.time)
     updated_at: float = 0.0
@@ -141,6 +145,16 @@ def live_worker_ids(client: redis.Redis, settings: Settings, ids: list[str]) -> 
         return set()
     values = client.mget([worker_key(settings, i) for i in ids])
     return {i for i, v in zip(ids, values, strict=True) if v is not None}
+
+
+def live_reports(
+    client: redis.Redis, settings: Settings, ids: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The current report of each worker among ``ids`` whose heartbeat has not expired."""
+    if not ids:
+        return {}
+    values = client.mget([worker_key(settings, i) for i in ids])
+    return {i: json.loads(v) for i, v in zip(ids, values, strict=True) if v is not None}
 
 
 def last_beats(client: redis.Redis, settings: Settings) -> dict[str, float]:

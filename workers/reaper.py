@@ -12,6 +12,11 @@ nothing):
   heartbeat key is gone and either its last registered beat is older than the
   heartbeat TTL, or this reaper has seen it missing for a TTL — so a Redis
   restart that wiped every heartbeat does not re-queue every running job.
+* **Abandoned jobs.** A running job whose worker is alive but has not listed
+  it among its heartbeat's ``active_jobs`` for a heartbeat TTL (seen by this
+  reaper) is recovered the same way, with reason ``abandoned by its worker``:
+  the worker gave up on it, e.g. it could not write the final row while the
+  database was away for longer than ``finish_retry_s``.
   The dead worker's unacknowledged message is left to Redis' own re-delivery
   after the visibility timeout; the claim drops it then.
 * **Orphaned messages.** A job queued for longer than ``reconcile_after_s``
@@ -48,11 +53,12 @@ from tasks import metrics as m
 from tasks.events import EventLog, JobEvent
 from tasks.messages import BrokerView, send_generate
 from tasks.metrics import MetricsStore
-from workers.heartbeat import last_beats, live_worker_ids, prune_lost
+from workers.heartbeat import last_beats, live_reports, prune_lost
 
 log = logging.getLogger(__name__)
 
 LOST_REASON = "worker lost"
+ABANDONED_REASON = "abandoned by its worker"
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class Reaper:
         self.metrics = MetricsStore(client, settings)
         # Worker id → when this reaper first saw it without a heartbeat (monotonic).
         self._missing_since: dict[str, float] = {}
+        # (job id, attempt) → when this reaper first saw its live worker not list it.
+        self._unheld_since: dict[tuple[str, int], float] = {}
         self.last_sweep: list[Recovery] = []
 
     def sweep(self) -> list[str]:
@@ -96,9 +104,13 @@ class Reaper:
 
     # -- lost workers -----------------------------------------------------------------
 
-    def lost_workers(self, worker_ids: list[str]) -> set[str]:
-        """The ids among ``worker_ids`` that are gone (see the module docstring)."""
-        live = live_worker_ids(self.redis, self.settings, worker_ids)
+    def lost_workers(self, worker_ids: list[str], live: set[str] | None = None) -> set[str]:
+        """The ids among ``worker_ids`` that are gone (see the module docstring).
+
+        ``live``: the ids among them with a live heartbeat, if already read.
+        """
+        if live is None:
+            live = set(live_reports(self.redis, self.settings, worker_ids))
         beats = last_beats(self.redis, self.settings)
         now_wall, now = time.time(), time.monotonic()
         ttl = self.settings.heartbeat_ttl_s
@@ -117,23 +129,41 @@ class Reaper:
         """Re-queue or fail the running jobs of lost workers."""
         running = self.jobs.running()
         workers = sorted({j.worker for j in running if j.worker})
-        lost = self.lost_workers(workers)
+        reports = live_reports(self.redis, self.settings, workers)
+        lost = self.lost_workers(workers, live=set(reports))
         done: list[Recovery] = []
         for job in running:
-            if job.worker is None or job.worker not in lost:
+            if job.worker is None:
                 continue
-            recovery = self._recover(job, job.worker)
+            if job.worker in lost:
+                recovery = self._recover(job, job.worker, LOST_REASON, "worker_lost")
+            elif self._abandoned(job, reports.get(job.worker)):
+                recovery = self._recover(job, job.worker, ABANDONED_REASON, "abandoned")
+            else:
+                continue
             if recovery is not None:
                 done.append(recovery)
-        # Forget workers no running job names any more.
+        # Forget workers and jobs no running job names any more.
         for worker_id in set(self._missing_since) - set(workers):
             del self._missing_since[worker_id]
+        for key in set(self._unheld_since) - {(j.id, j.attempts) for j in running}:
+            del self._unheld_since[key]
         return done
 
-    def _recover(self, job: Job, worker: str) -> Recovery | None:
+    def _abandoned(self, job: Job, report: dict[str, object] | None) -> bool:
+        """Whether ``job``'s live worker has left it out of its active jobs for a TTL."""
+        active = report.get("active_jobs") if report is not None else None
+        key = (job.id, job.attempts)
+        if not isinstance(active, list) or job.id in active:
+            self._unheld_since.pop(key, None)
+            return False
+        first = self._unheld_since.setdefault(key, time.monotonic())
+        return time.monotonic() - first >= self.settings.heartbeat_ttl_s
+
+    def _recover(self, job: Job, worker: str, reason: str, metric: str) -> Recovery | None:
         labels = {"model": job.model}
         if job.attempts >= self.settings.max_attempts:
-            error = f"{LOST_REASON} {job.attempts} times"
+            error = f"{reason} {job.attempts} times"
             if not self.jobs.fail_running(job.id, worker, error):
                 return None
             self._append(job.id, "error", {"error": error})
@@ -145,24 +175,22 @@ class Reaper:
         if self.jobs.requeue(job.id, worker, count_attempt=True) is None:
             return None
         self._append(
-            job.id, "restart", {"reason": LOST_REASON, "attempt": job.attempts, "worker": worker}
+            job.id, "restart", {"reason": reason, "attempt": job.attempts, "worker": worker}
         )
         batch = self.metrics.batch()
-        batch.inc(m.JOB_RESTARTS, {**labels, "reason": "worker_lost"})
+        batch.inc(m.JOB_RESTARTS, {**labels, "reason": metric})
         batch.commit()
         try:
             send_generate(self.celery, job.id, job.model)
         except Exception as exc:  # the row is queued: the reconciler sends it later
             log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
-        log.warning(
-            "job %s re-queued: %s %s (attempt %d)", job.id, LOST_REASON, worker, job.attempts
-        )
-        return Recovery(job.id, job.model, "requeued", f"{LOST_REASON}: {worker}")
+        log.warning("job %s re-queued: %s %s (attempt %d)", job.id, reason, worker, job.attempts)
+        return Recovery(job.id, job.model, "requeued", f"{reason}: {worker}")
 
     def _append(self, job_id: str, kind: str, fields: dict[str, object]) -> None:
         # Only the winner of the conditional UPDATE gets here, and the lost
         # worker writes no more, so nobody else takes this seq.
-        seq = self.events.last_seq(job_id) + 1
+        seq = self.events.next_seq(job_id)
         self.events.append(job_id, [JobEvent(seq=seq, type=kind, fields=dict(fields))])
 
     # -- orphaned messages ------------------------------------------------------------

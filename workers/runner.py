@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 
 from config import ModelDefinition, Settings
 from db.jobs import JobOutcome, JobStore
@@ -171,7 +172,7 @@ class JobRunner:
             return
         if job.status == JobStatus.failed.value:  # the claim expired it: never started
             log.info("job %s waited past its deadline; not started", job_id)
-            seq = self.events.last_seq(job_id) + 1
+            seq = self.events.next_seq(job_id)
             self.events.append(job_id, [JobEvent(seq, "error", {"error": job.error})])
             return
         self.last_job = job_id
@@ -179,7 +180,7 @@ class JobRunner:
             self._active.add(job_id)
         try:
             self._record_start(job)
-            stream = _Stream(self.events, job_id, self.events.last_seq(job_id) + 1)
+            stream = _Stream(self.events, job_id, self.events.next_seq(job_id))
             stream.emit("started", attempt=job.attempts, worker=self.worker_id)
             try:
                 self._generate(job, stream)
@@ -310,7 +311,7 @@ class JobRunner:
             completion_tokens=event.completion_tokens,
             first_token_at=first_token_at,
         )
-        if not self.jobs.finish(job.id, self.worker_id, outcome):
+        if not self._record_outcome(job, outcome):
             log.warning("job %s was taken from this worker; its result is dropped", job.id)
             return
         started = job.started_at or datetime.now(UTC)
@@ -347,6 +348,40 @@ class JobRunner:
             },
         )
 
+    def _record_outcome(self, job: Job, outcome: JobOutcome) -> bool:
+        """Write the final row, retrying while the database is away; False if not ours.
+
+        A restart of the database must not leave a finished job ``running``:
+        the same conditional UPDATE is retried for up to ``finish_retry_s``. A
+        retry that finds the row already final (the first try committed but its
+        answer was lost) counts as written. Past the deadline the error is
+        raised: the job leaves this worker's active list (its heartbeat's
+        ``active_jobs``) and the reaper re-runs it.
+        """
+        delay = 0.2
+        deadline = time.monotonic() + self.settings.finish_retry_s
+        retried = False
+        while True:
+            try:
+                if self.jobs.finish(job.id, self.worker_id, outcome):
+                    return True
+                if not retried:
+                    return False
+                row = self.jobs.get(job.id)
+                return (
+                    row is not None
+                    and row.worker == self.worker_id
+                    and row.status == outcome.status.value
+                    and row.output_text == outcome.output_text
+                )
+            except SQLAlchemyError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                retried = True
+                log.warning("job %s: could not write its outcome (%s); retrying", job.id, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     def _fail(
         self,
         job: Job,
@@ -366,7 +401,7 @@ class JobRunner:
             error=error,
             first_token_at=first_token_at,
         )
-        if self.jobs.finish(job.id, self.worker_id, outcome):
+        if self._record_outcome(job, outcome):
             stream.emit("error", error=error)
             if self.metrics is not None:
                 batch = batch or self.metrics.batch()

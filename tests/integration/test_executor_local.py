@@ -132,3 +132,46 @@ def test_a_worker_that_ignores_the_drain_is_killed_after_the_grace(tmp_path: Pat
         assert executor.processes() == []  # a drained worker is not replaced
     finally:
         executor.close()
+
+
+def test_a_worker_killed_after_it_served_is_no_crash_loop(settings: Settings) -> None:
+    """kill -9 after a while of honest work: each replacement waits the first backoff only."""
+    import uuid
+
+    import redis
+
+    from workers.heartbeat import registry_key
+
+    served = settings.model_copy(
+        update={
+            "redis_prefix": f"x{uuid.uuid4().hex[:8]}",
+            "restart_backoff_s": 1.0,
+            "restart_backoff_max_s": 300.0,
+        }
+    )
+    # A stand-in that reports itself ready in the registry, as a worker does, then dies.
+    code = (
+        "import json, os, socket, time, redis; "
+        f"c = redis.Redis.from_url({served.redis_url!r}); "
+        "r = {'id': 'w%d' % os.getpid(), 'model': 'm', 'pid': os.getpid(), "
+        "'host': socket.gethostname(), 'state': 'ready', 'started_at': time.time()}; "
+        f"c.hset({registry_key(served)!r}, r['id'], json.dumps(r)); "
+        "os.kill(os.getpid(), 9)"
+    )
+    clock = Clock()
+    client = redis.Redis.from_url(served.redis_url)
+    executor = LocalExecutor(
+        served, client=client, env=None, command=lambda model: python(code), clock=clock
+    )
+    try:
+        executor.apply("m", 1)
+        for _ in range(4):
+            wait_exit(executor)
+            executor.poll()
+            assert executor.processes() == []
+            clock.now += 1.0  # restart_backoff_s, never doubled
+            executor.poll()
+            assert len(executor.processes()) == 1
+    finally:
+        executor.close()
+        client.delete(registry_key(served))

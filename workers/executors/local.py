@@ -12,17 +12,30 @@
 * **Crashes**: a worker that exits without being asked to is replaced after a
   backoff that doubles per consecutive crash (``restart_backoff_s`` up to
   ``restart_backoff_max_s``), so a model that cannot start costs one attempt
-  per backoff period, not a restart loop. A worker that ran longer than the
-  longest backoff before crashing starts the count afresh.
+  per backoff period, not a restart loop. A worker that had served (its
+  heartbeat said ``ready``) or ran longer than the longest backoff before
+  it died starts the count afresh: a worker killed after a while of honest
+  work (OOM killer, ``kill -9``) is replaced after ``restart_backoff_s``,
+  however often that happens.
+* **Dying with the scaler**: on Linux each worker is started with a parent
+  death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): if the scaler dies
+  without draining them (SIGKILL, OOM), its workers get SIGTERM, which is the
+  same warm shutdown as a drain — they finish or hand back their running jobs
+  within ``worker_grace_s`` and exit, instead of living on as orphans that no
+  scaler supervises. The signal follows the *thread* that started the worker,
+  so the executor must be driven from a thread that outlives its workers (the
+  scaler's loop is; ``close()`` drains them before it returns).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +51,28 @@ from workers.launcher import worker_command
 
 log = logging.getLogger(__name__)
 
+# prctl(2) option: the signal a process gets when the thread that forked it dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` giving the child SIGTERM when this process dies; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # Runs in the child between fork and exec: nothing here may take a lock.
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: too late for prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
 
 @dataclass
 class Replica:
@@ -49,6 +84,8 @@ class Replica:
     started_at: float
     log_file: IO[bytes] | None = field(default=None, repr=False)
     draining_since: float | None = None
+    # Wall-clock start, to tell this process's heartbeats from an older one's with its pid.
+    wall_started_at: float = field(default_factory=time.time)
 
     @property
     def pid(self) -> int:
@@ -94,6 +131,7 @@ class LocalExecutor:
         self._desired: dict[str, int] = {}
         self._crashes: dict[str, int] = {}
         self._not_before: dict[str, float] = {}
+        self._preexec = die_with_parent()
 
     # --- the executor interface -------------------------------------------------------
 
@@ -180,6 +218,7 @@ class LocalExecutor:
             stdout=log_file,
             stderr=subprocess.STDOUT if log_file is not None else None,
             start_new_session=True,
+            preexec_fn=self._preexec,
         )
         replica = Replica(model, proc, gpu, self.clock(), log_file)
         self._replicas.setdefault(model, []).append(replica)
@@ -244,11 +283,8 @@ class LocalExecutor:
                     )
                     continue
                 lived = now - r.started_at
-                crashes = (
-                    1
-                    if lived > self.settings.restart_backoff_max_s
-                    else (self._crashes.get(model, 0) + 1)
-                )
+                fresh = lived > self.settings.restart_backoff_max_s or self._had_served(r)
+                crashes = 1 if fresh else self._crashes.get(model, 0) + 1
                 self._crashes[model] = crashes
                 delay = min(
                     self.settings.restart_backoff_max_s,
@@ -265,3 +301,21 @@ class LocalExecutor:
                     crashes,
                     delay,
                 )
+
+    def _had_served(self, r: Replica) -> bool:
+        """Whether ``r``'s last heartbeat (kept in the registry after death) said ready."""
+        if self.client is None:
+            return False
+        host = socket.gethostname()
+        try:
+            reports = list_workers(self.client, self.settings)
+        except redis.RedisError as exc:
+            log.warning("cannot read heartbeats to tell a crash loop: %s", exc)
+            return False
+        return any(
+            w.get("host") == host
+            and int(w.get("pid", -1)) == r.pid
+            and float(w.get("started_at", 0)) >= r.wall_started_at - 1
+            and w.get("state") in ("ready", "draining")
+            for w in reports
+        )
