@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: run test test-unit test-integration test-e2e lint bench bench-setup install install-dev clean
+.PHONY: run test test-unit test-integration test-e2e lint bench bench-setup load faults reliability install install-dev clean
 
 $(BIN)/activate:
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -41,6 +41,16 @@ test-integration: $(VENV)/.installed-dev
 test-e2e: $(VENV)/.installed-dev
 	$(BIN)/pytest -q -ra tests/e2e
 
+# Fault injection and fuzzing, long settings: a 50-kill storm, SIGTERM/SIGKILL to
+# the scaler and the API, ten times the fuzz cases (docs/reliability.md). CI
+# runs the same files with 3 kills and 25 cases per operation and mode.
+# Redis and Postgres restarts (test_faults_services.py) write their figures to
+# .switchyard/reports/faults-*.md.
+faults: $(VENV)/.installed-dev
+	SY_FAULT_KILLS=50 SY_FUZZ_EXAMPLES=250 $(BIN)/pytest -q -s -ra \
+		tests/integration/test_faults_workers.py tests/integration/test_faults_services.py \
+		tests/integration/test_fuzz.py
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy api tasks workers models db config client
@@ -59,6 +69,15 @@ bench-setup: $(PEER_VENV)/.installed
 # Engine, farm and llama-cpp-python side by side (bench/FARM.md).
 bench: $(VENV)/.installed-dev $(PEER_VENV)/.installed
 	$(PY) -m bench
+
+# The reliability suite's load program, full size: a burst of 1,000 jobs, 1,000
+# websocket and 1,000 SSE subscribers, a 10-minute soak (bench/LOAD.md). It uses
+# DATABASE_URL/REDIS_URL, else the SY_TEST_* test services.
+load: $(VENV)/.installed-dev
+	$(PY) -m bench.load --phase all
+
+# Both long runs of the reliability suite (about 45 minutes on 2 cores).
+reliability: faults load
 
 clean:
 	rm -rf $(VENV) .switchyard .pytest_cache .mypy_cache .ruff_cache

@@ -628,6 +628,30 @@ def child_env(
     return env
 
 
+def start_api(env: dict[str, str], api_threads: int, log_dir: Path) -> Child:
+    """The API under gunicorn (``api/gunicorn_conf.py``), room for ``api_threads`` streams.
+
+    ``env`` should carry the same ``SWITCHYARD_API_THREADS`` (see :func:`child_env`).
+    """
+    return Child(
+        "api",
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            str(PROJECT_ROOT / "api" / "gunicorn_conf.py"),
+            # gthread admits at most worker_connections (1,000 by default)
+            # clients at once, whatever its thread count.
+            "--worker-connections",
+            str(api_threads + 64),
+            "api:create_app()",
+        ],
+        env,
+        log_dir,
+    )
+
+
 # -- phases -----------------------------------------------------------------------
 
 
@@ -691,23 +715,7 @@ def farm_phase(
     token = admin_token(settings)
     base = f"http://127.0.0.1:{settings.api_port}"
     with ExitStack() as stack:
-        api = Child(
-            "api",
-            [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "-c",
-                str(PROJECT_ROOT / "api" / "gunicorn_conf.py"),
-                # gthread admits at most worker_connections (1,000 by default)
-                # clients at once, whatever its thread count.
-                "--worker-connections",
-                str(api_threads + 64),
-                "api:create_app()",
-            ],
-            env,
-            log_dir,
-        )
+        api = start_api(env, api_threads, log_dir)
         stack.callback(api.stop)
         worker = Child(
             "worker",
