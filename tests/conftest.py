@@ -61,6 +61,19 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "    args: [sh, -c, 'echo no accelerator here >&2; exit 7']\n"
     )
     (folder / "tiny-broken.yaml").write_text(broken)
+    # tiny-badpath: its checkpoint folder does not exist, so its model never loads.
+    badpath = (
+        "name: tiny-badpath\n"
+        "source:\n"
+        "  kind: local\n"
+        "  path: /nonexistent/switchyard-checkpoint\n"
+        "backend: transformers\n"
+        "dtype: float32\n"
+        "device: cpu\n"
+        "scaling:\n"
+        "  max_replicas: 1\n"
+    )
+    (folder / "tiny-badpath.yaml").write_text(badpath)
     return folder
 
 

@@ -152,7 +152,7 @@ def run_worker(settings: Settings, model: str) -> int:
         health.stop()
         serve_with(None)
         engine.stop()
-        # A failed worker stays listed (as failed, then lost) so operators see why.
+        # A failed worker stays listed (as failed, until pruned) so operators see why.
         heartbeat.stop(forget=not unhealthy)
         db.dispose()
     return 4 if unhealthy else 0

@@ -38,8 +38,16 @@ class ModelCapacity:
 
 
 def worker_status(worker: dict[str, Any]) -> str:
-    """``lost`` for a worker whose heartbeat expired, else its reported state."""
-    return "lost" if worker.get("lost") else str(worker.get("state", "starting"))
+    """``lost`` for a worker whose heartbeat expired, else its reported state.
+
+    A worker that failed to start stays ``failed`` after it exited (until its
+    entry is pruned): it was not lost, and its reason stays visible in
+    ``switchyard workers``, the operator page and ``switchyard_workers``.
+    """
+    state = str(worker.get("state", "starting"))
+    if state == "failed":
+        return state
+    return "lost" if worker.get("lost") else state
 
 
 def scaler_desired(client: redis.Redis, settings: Settings) -> dict[str, int]:
