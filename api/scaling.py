@@ -23,6 +23,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validato
 
 from api.auth import require_principal
 from api.errors import Forbidden, NotFound, ValidationFailed
+from api.openapi import spec
 from api.schemas import json_body, parse
 from api.services import services
 from db.accounts import Principal
@@ -101,6 +102,11 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @bp.get("/v1/admin/scaling")
+@spec(
+    "Every model's scaling state and the scaler's recent decisions",
+    tags=("scaling",),
+    auth="operator",
+)
 def scaling_status() -> Response:
     _operator()
     decisions = request.args.get("decisions", "20")
@@ -110,12 +116,19 @@ def scaling_status() -> Response:
 
 
 @bp.get("/v1/admin/models/<name>/scaling")
+@spec("A model's scaling policy, pin and replicas", tags=("scaling",), auth="operator")
 def get_scaling(name: str) -> Response:
     _operator()
     return jsonify(_call(_controls().view, name))
 
 
 @bp.put("/v1/admin/models/<name>/scaling")
+@spec(
+    "Pin a model's replicas, go back to automatic, or change its policy",
+    tags=("scaling",),
+    auth="operator",
+    body=ScalingChange,
+)
 def put_scaling(name: str) -> Response:
     actor = _operator().user_name
     change = parse(ScalingChange, json_body())
@@ -148,18 +161,27 @@ def put_scaling(name: str) -> Response:
 
 
 @bp.get("/v1/admin/models/<name>/scaling/audit")
+@spec("Who changed a model's scaling, when and how", tags=("scaling",), auth="operator")
 def scaling_audit(name: str) -> Response:
     _operator()
     return jsonify({"model": name, "entries": _call(_controls().audit, name)})
 
 
 @bp.get("/v1/admin/models/<name>/schedule")
+@spec("A model's run-time scaling windows", tags=("scaling",), auth="operator")
 def list_windows(name: str) -> Response:
     _operator()
     return jsonify({"model": name, "windows": _call(_controls().windows, name)})
 
 
 @bp.post("/v1/admin/models/<name>/schedule")
+@spec(
+    "Add a cron window of replicas to a model",
+    tags=("scaling",),
+    auth="operator",
+    body=WindowBody,
+    success=201,
+)
 def add_window(name: str) -> tuple[Response, int]:
     actor = _operator().user_name
     body = parse(WindowBody, json_body())
@@ -178,6 +200,7 @@ def add_window(name: str) -> tuple[Response, int]:
 
 
 @bp.delete("/v1/admin/models/<name>/schedule/<int:window_id>")
+@spec("Remove a run-time scaling window", tags=("scaling",), auth="operator", success=204)
 def remove_window(name: str, window_id: int) -> tuple[str, int]:
     actor = _operator().user_name
     if not _call(_controls().remove_window, name, window_id, actor):
