@@ -236,7 +236,11 @@ def test_10000_messages_at_once_are_rate_limited_then_the_socket_is_closed(
         f"flood: {sent} of {FLOOD} messages sent before the close, {len(frames)} frames back "
         f"({len(rate_limited)} rate_limited), close {close}"
     )
-    assert close == [1008]
+    # The server closed the socket: with a 1008 close frame, or, when the close
+    # lands while the client is still sending, a TCP reset that can discard
+    # that frame before the client reads it.
+    assert not reader.is_alive(), "the flooding socket was not closed"
+    assert close in ([1008], []), close
     acted_on = [f for f in frames if not (f["type"] == "error" and f["id"] is None)]
     assert len(acted_on) < FLOOD // 10, "most of the flood was acted on"
     # Generate frames went through the user's own limits: at most 3 jobs at once.
