@@ -23,6 +23,8 @@ from typing import Any
 import redis
 import requests
 from sqlalchemy import create_engine, text
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
 from config import Settings
 from config.settings import PROJECT_ROOT
@@ -319,3 +321,77 @@ def make_token(
         return accounts.issue_token(name).secret
     finally:
         db.dispose()
+
+
+def wait_final(base_url: str, token: str, job_id: str, timeout: float = 180) -> dict[str, Any]:
+    """``GET /v1/jobs/<id>`` once the job is succeeded, failed or cancelled."""
+    headers = {"Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = requests.get(f"{base_url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return dict(job)
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not final after {timeout} s")
+
+
+class RawWebSocket:
+    """A websocket client on a raw socket with a small receive buffer that reads
+    only when told to: a client the server must treat as slow."""
+
+    def __init__(self, base_url: str, path: str, token: str, receive_buffer: int = 1024) -> None:
+        host, port = base_url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.connect((host, int(port)))
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        self.events: list[Any] = []
+        request = Request(
+            host=f"{host}:{port}",
+            target=path,
+            extra_headers=[(b"authorization", f"Bearer {token}".encode())],
+        )
+        self.sock.sendall(self.ws.send(request))
+        self.sock.settimeout(30)
+        while not any(isinstance(e, AcceptConnection) for e in self.events):
+            self._feed(self.sock.recv(4096))
+
+    def _feed(self, data: bytes) -> None:
+        self.ws.receive_data(data or None)
+        self.events.extend(self.ws.events())
+
+    def send_json(self, frame: dict[str, Any]) -> None:
+        self.sock.sendall(self.ws.send(TextMessage(data=json.dumps(frame))))
+
+    def read_until_closed(self, timeout: float) -> None:
+        """Read everything the server sent; returns when it closed the connection."""
+        deadline = time.monotonic() + timeout
+        self.sock.settimeout(5)
+        while time.monotonic() < deadline:
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:
+                return
+            except TimeoutError:
+                continue
+            if not data:
+                return
+            self._feed(data)
+            if any(isinstance(e, CloseConnection) for e in self.events):
+                return
+        raise AssertionError(f"the server did not close the socket within {timeout} s")
+
+    def frames(self) -> list[dict[str, Any]]:
+        """The complete text frames received (wsproto hands them over in pieces)."""
+        frames, pending = [], ""
+        for event in self.events:
+            if isinstance(event, TextMessage):
+                pending += event.data
+                if event.message_finished:
+                    frames.append(json.loads(pending))
+                    pending = ""
+        return frames
+
+    def close_code(self) -> int | None:
+        closes = [e for e in self.events if isinstance(e, CloseConnection)]
+        return closes[0].code if closes else None

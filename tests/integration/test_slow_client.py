@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import requests
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
 from config import Settings
 from tests import farm
@@ -69,77 +65,6 @@ def submit(api_url: str, token: str, max_new_tokens: int) -> str:
     return str(r.json()["id"])
 
 
-def wait_final(api_url: str, token: str, job_id: str, timeout: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = requests.get(
-            f"{api_url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}, timeout=30
-        )
-        job = r.json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return dict(job)
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not final after {timeout} s")
-
-
-class Laggard:
-    """A raw websocket client that completes the handshake, then reads nothing."""
-
-    def __init__(self, api_url: str, job_id: str, token: str) -> None:
-        host, port = api_url.removeprefix("http://").split(":")
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
-        self.sock.connect((host, int(port)))
-        self.ws = WSConnection(ConnectionType.CLIENT)
-        request = Request(
-            host=f"{host}:{port}",
-            target=f"/v1/jobs/{job_id}/ws",
-            extra_headers=[(b"authorization", f"Bearer {token}".encode())],
-        )
-        self.sock.sendall(self.ws.send(request))
-        self.events: list[Any] = []
-        self.sock.settimeout(30)
-        while not any(isinstance(e, AcceptConnection) for e in self.events):
-            self._feed(self.sock.recv(1024))
-
-    def _feed(self, data: bytes) -> None:
-        self.ws.receive_data(data or None)
-        self.events.extend(self.ws.events())
-
-    def read_until_closed(self, timeout: float) -> None:
-        """Read everything the server sent; returns when it closed the connection."""
-        deadline = time.monotonic() + timeout
-        self.sock.settimeout(5)
-        while time.monotonic() < deadline:
-            try:
-                data = self.sock.recv(65536)
-            except ConnectionResetError:
-                data = b""
-            except TimeoutError:
-                continue
-            if not data:
-                return
-            self._feed(data)
-            if any(isinstance(e, CloseConnection) for e in self.events):
-                return
-        raise AssertionError(f"the server did not close the laggard within {timeout} s")
-
-    def frames(self) -> list[dict[str, Any]]:
-        """The complete text frames received (wsproto hands them over in pieces)."""
-        frames, pending = [], ""
-        for event in self.events:
-            if isinstance(event, TextMessage):
-                pending += event.data
-                if event.message_finished:
-                    frames.append(json.loads(pending))
-                    pending = ""
-        return frames
-
-    def close_code(self) -> int | None:
-        closes = [e for e in self.events if isinstance(e, CloseConnection)]
-        return closes[0].code if closes else None
-
-
 @pytest.mark.parametrize(
     "limits",
     [
@@ -155,17 +80,17 @@ def test_a_client_that_never_reads_is_dropped_and_others_stream_on(
 ) -> None:
     with serve_with_small_send_buffers(migrated.model_copy(update=limits)) as url:
         slow_job = submit(url, user_token, 1024)
-        laggard = Laggard(url, slow_job, user_token)
+        laggard = farm.RawWebSocket(url, f"/v1/jobs/{slow_job}/ws", user_token, SMALL_BUFFER)
         try:
             # Meanwhile a normal client streams another job in full, gapless.
             normal_job = submit(url, user_token, 64)
             frames = farm.ws_events(url, normal_job, user_token)
             assert [f["seq"] for f in frames] == list(range(len(frames)))
             assert frames[-1]["type"] == "done"
-            assert wait_final(url, user_token, normal_job)["status"] == "succeeded"
+            assert farm.wait_final(url, user_token, normal_job)["status"] == "succeeded"
 
             # The laggard's job runs to its end regardless.
-            final = wait_final(url, user_token, slow_job)
+            final = farm.wait_final(url, user_token, slow_job)
             assert final["status"] == "succeeded"
             assert final["usage"]["completion_tokens"] > 0
 

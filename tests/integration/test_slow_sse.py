@@ -104,16 +104,6 @@ def submit(url: str, token: str, model: str, max_new_tokens: int) -> str:
     return str(r.json()["id"])
 
 
-def wait_final(url: str, token: str, job_id: str, timeout: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = requests.get(f"{url}/v1/jobs/{job_id}", headers=auth(token), timeout=30).json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return dict(job)
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not final after {timeout} s")
-
-
 def first_event_of_each(url: str, token: str, job_ids: list[str]) -> list[str]:
     """Open one SSE stream per job at once; each waits until all have their first event.
 
@@ -154,7 +144,7 @@ def test_sse_clients_that_never_read_are_cut_off_and_free_their_threads(
             assert events[-1]["type"] == "done"
 
             # The per-job stream's job runs to its end regardless of its reader.
-            assert wait_final(url, token, events_job)["status"] == "succeeded"
+            assert farm.wait_final(url, token, events_job)["status"] == "succeeded"
             # Every write the laggards did not take has timed out by now.
             time.sleep(3 * SEND_TIMEOUT_S + migrated.stream_keepalive_s)
 
@@ -173,7 +163,7 @@ def test_sse_clients_that_never_read_are_cut_off_and_free_their_threads(
             )
             assert b"[DONE]" not in data
             # Client gone (it stopped reading) = the job is cancelled.
-            assert wait_final(url, token, job_id)["status"] == "cancelled"
+            assert farm.wait_final(url, token, job_id)["status"] == "cancelled"
         finally:
             events_laggard.close()
             openai_laggard.close()

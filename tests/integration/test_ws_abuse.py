@@ -10,14 +10,12 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from typing import Any
 
 import pytest
 import requests
 import websocket
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
+from wsproto.events import TextMessage
 
 from config import Settings
 from tests import farm
@@ -33,79 +31,6 @@ def auth(token: str) -> dict[str, str]:
 
 def ws_url(api_url: str, path: str) -> str:
     return api_url.replace("http", "ws", 1) + path
-
-
-class RawSocket:
-    """A websocket client on a raw socket with a small receive buffer: it reads only
-    when told to."""
-
-    def __init__(self, api_url: str, path: str, token: str) -> None:
-        host, port = api_url.removeprefix("http://").split(":")
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
-        self.sock.connect((host, int(port)))
-        self.ws = WSConnection(ConnectionType.CLIENT)
-        self.events: list[Any] = []
-        self.sock.sendall(
-            self.ws.send(
-                Request(
-                    host=f"{host}:{port}",
-                    target=path,
-                    extra_headers=[(b"authorization", f"Bearer {token}".encode())],
-                )
-            )
-        )
-        self.sock.settimeout(30)
-        while not any(isinstance(e, AcceptConnection) for e in self.events):
-            self._feed(self.sock.recv(4096))
-
-    def _feed(self, data: bytes) -> None:
-        self.ws.receive_data(data or None)
-        self.events.extend(self.ws.events())
-
-    def send_json(self, frame: dict[str, Any]) -> None:
-        self.sock.sendall(self.ws.send(TextMessage(data=json.dumps(frame))))
-
-    def read_until_closed(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        self.sock.settimeout(5)
-        while time.monotonic() < deadline:
-            try:
-                data = self.sock.recv(65536)
-            except ConnectionResetError:
-                return
-            except TimeoutError:
-                continue
-            if not data:
-                return
-            self._feed(data)
-            if any(isinstance(e, CloseConnection) for e in self.events):
-                return
-        raise AssertionError(f"the server did not close the socket within {timeout} s")
-
-    def frames(self) -> list[dict[str, Any]]:
-        frames, pending = [], ""
-        for event in self.events:
-            if isinstance(event, TextMessage):
-                pending += event.data
-                if event.message_finished:
-                    frames.append(json.loads(pending))
-                    pending = ""
-        return frames
-
-    def close_code(self) -> int | None:
-        closes = [e for e in self.events if isinstance(e, CloseConnection)]
-        return closes[0].code if closes else None
-
-
-def wait_final(url: str, token: str, job_id: str, timeout: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = requests.get(f"{url}/v1/jobs/{job_id}", headers=auth(token), timeout=30).json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return dict(job)
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not final after {timeout} s")
 
 
 def stream_normally(url: str, token: str) -> list[dict[str, Any]]:
@@ -130,7 +55,7 @@ def test_a_multiplexed_socket_that_never_reads_is_dropped_on_buffer_overflow(
     token = farm.make_token(migrated, max_concurrent_jobs=0, requests_per_minute=0)
     app = migrated.model_copy(update=limits)
     with serve_with_small_send_buffers(app, {"ping_interval": 3600}) as url:
-        laggard = RawSocket(url, "/v1/ws", token)
+        laggard = farm.RawWebSocket(url, "/v1/ws", token, SMALL_BUFFER)
         try:
             laggard.send_json(
                 {
@@ -146,7 +71,7 @@ def test_a_multiplexed_socket_that_never_reads_is_dropped_on_buffer_overflow(
             # overflow) closed the socket, which cancels the socket's jobs.
             jobs = requests.get(f"{url}/v1/jobs?limit=2", headers=auth(token), timeout=30)
             slow = next(j for j in jobs.json()["data"] if j["params"]["max_new_tokens"] == 1024)
-            final = wait_final(url, token, slow["id"])
+            final = farm.wait_final(url, token, slow["id"])
             assert final["status"] == "cancelled", final
             laggard.read_until_closed(timeout=60)
             assert laggard.close_code() in (4008, None)
@@ -164,7 +89,7 @@ def test_a_16_mb_frame_closes_the_socket_with_1009(
     token = farm.make_token(migrated, max_concurrent_jobs=0, requests_per_minute=0)
     body = {"model": "tiny-late", "prompt": "hello", "params": {"max_new_tokens": 2}}
     job = requests.post(f"{api_url}/v1/jobs", json=body, headers=auth(token), timeout=30).json()
-    raw = RawSocket(api_url, path.format(job=job["id"]), token)
+    raw = farm.RawWebSocket(api_url, path.format(job=job["id"]), token, SMALL_BUFFER)
     huge = raw.ws.send(TextMessage(data="x" * (16 * 1024 * 1024)))
 
     def send_huge() -> None:
@@ -250,7 +175,7 @@ def test_10000_messages_at_once_are_rate_limited_then_the_socket_is_closed(
     jobs = requests.get(f"{api_url}/v1/jobs?limit=100", headers=auth(limited), timeout=30)
     assert len(jobs.json()["data"]) == len(queued)
     for f in queued:  # the close cancelled them
-        assert wait_final(api_url, limited, f["job_id"])["status"] == "cancelled"
+        assert farm.wait_final(api_url, limited, f["job_id"])["status"] == "cancelled"
     # The API stayed up and the other client got its whole stream.
     assert_gapless(normal)
     assert requests.get(f"{api_url}/healthz", timeout=30).status_code == 200
