@@ -51,22 +51,38 @@ class Batch(Generic[Row]):
         return _layers(self.cache)
 
     def add(self, seq: Row, cache: DynamicCache, length: int) -> None:
-        """Merge a prefilled sequence (its cache is ``length`` long) as the last row."""
+        """Merge a prefilled sequence (its cache is ``length`` long) as the last row.
+
+        All or nothing: if an allocation fails half-way (a CUDA out-of-memory
+        error), the layers merged so far are cut back to what they were and the
+        error propagates with the batch unchanged. Each layer's old tensors are
+        released as soon as it is merged, so the merge never holds two copies
+        of the whole cache.
+        """
         new_mask = torch.ones(1, length, dtype=torch.long, device=cache_device(cache))
         if self.cache is None or self.mask is None:
             self.seqs, self.cache, self.mask = [seq], cache, new_mask
             return
-        width = max(self.mask.shape[1], length)
-        for mine, theirs in zip(self.layers(), _layers(cache), strict=True):
-            (k1, v1), (k2, v2) = _kv(mine), _kv(theirs)
-            mine.keys = torch.cat([_pad_left(k1, width), _pad_left(k2, width)])
-            mine.values = torch.cat([_pad_left(v1, width), _pad_left(v2, width)])
-        self.mask = torch.cat(
-            [
-                F.pad(self.mask, (width - self.mask.shape[1], 0)),
-                F.pad(new_mask, (width - length, 0)),
-            ]
-        )
+        rows, old_width = len(self.seqs), self.mask.shape[1]
+        width = max(old_width, length)
+        merged: list[DynamicLayer] = []
+        try:
+            for mine, theirs in zip(self.layers(), _layers(cache), strict=True):
+                (k1, v1), (k2, v2) = _kv(mine), _kv(theirs)
+                keys = torch.cat([_pad_left(k1, width), _pad_left(k2, width)])
+                values = torch.cat([_pad_left(v1, width), _pad_left(v2, width)])
+                mine.keys, mine.values = keys, values
+                merged.append(mine)
+            mask = torch.cat(
+                [F.pad(self.mask, (width - old_width, 0)), F.pad(new_mask, (width - length, 0))]
+            )
+        except BaseException:
+            shift = width - old_width  # the padding this merge put on the left
+            for layer in merged:
+                keys, values = _kv(layer)
+                layer.keys, layer.values = keys[:rows, :, shift:], values[:rows, :, shift:]
+            raise
+        self.mask = mask
         self.seqs.append(seq)
 
     def keep(self, rows: list[int]) -> None:

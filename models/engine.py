@@ -18,7 +18,10 @@ Failure isolation: an error in one request's own work (prefill, sampling,
 detokenizing) fails that request alone; an error in the shared forward pass
 fails the requests of that step and the loop goes on serving; a CUDA
 out-of-memory error halves the batch, putting the other half back at the head
-of the queue to be re-prefilled later, instead of failing anything.
+of the queue to be re-prefilled later, instead of failing anything. An
+out-of-memory error while admitting a request (its prefill, or merging its
+cache, which is all or nothing) puts that request back first in line and stops
+the batch growing; a request the loop has taken always gets a finish event.
 """
 
 from __future__ import annotations
@@ -463,6 +466,9 @@ class Engine:
                 self._admitting = seq
             try:
                 admitted = self._admit_one(seq)
+            except BaseException as exc:  # never lose a request the loop took
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 with self._lock:
                     self._admitting = None
@@ -478,11 +484,7 @@ class Engine:
             cache, logits = self._prefill(seq)
         except Exception as exc:  # one request's failure is its own
             if _is_oom(exc) and self._batch.seqs:
-                self._empty_device_cache()
-                with self._lock:
-                    self._waiting.appendleft(seq)
-                    self._batch_cap = max(1, len(self._batch))
-                    self._steps_at_cap = 0
+                self._put_back(seq)
                 return False
             log.warning("prefill of %s failed: %s", seq.request.request_id, exc)
             self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
@@ -490,10 +492,34 @@ class Engine:
         seq.position = len(seq.all_ids())
         self._process_row(seq, logits)
         self._count_tokens(1)
-        if not seq.done:
+        if seq.done:
+            return True
+        try:
             with self._lock:
                 self._batch.add(seq, cache, seq.position)
+        except Exception as exc:  # the merge left the batch as it was
+            del cache
+            if _is_oom(exc):
+                # Its first token is out: the next prefill (prompt + that token)
+                # picks the sequence up where it stopped.
+                self._put_back(seq)
+                return False
+            log.warning("merging %s into the batch failed: %s", seq.request.request_id, exc)
+            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
         return True
+
+    def _put_back(self, seq: _Sequence) -> None:
+        """Out of memory admitting ``seq``: it waits first in line; the batch stops growing."""
+        self._empty_device_cache()
+        log.warning(
+            "out of memory admitting %s beside %d requests; it waits for a free slot",
+            seq.request.request_id,
+            len(self._batch),
+        )
+        with self._lock:
+            self._waiting.appendleft(seq)
+            self._batch_cap = max(1, len(self._batch))
+            self._steps_at_cap = 0
 
     def _prefill(self, seq: _Sequence) -> tuple[DynamicCache, torch.Tensor]:
         """Run a sequence's tokens alone; return its cache and last-position logits."""

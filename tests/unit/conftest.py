@@ -23,8 +23,13 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def catalog() -> Catalog:
-    """The real model catalog of the repository."""
-    return load_catalog(load_settings({}).models_dir)
+    """The real model catalog of the repository.
+
+    ``SY_TEST_MODELS_DIR`` names another catalog folder: ``python -m bench.cuda``
+    uses it to run these tests with ``tiny-random`` on a GPU.
+    """
+    other = os.environ.get("SY_TEST_MODELS_DIR")
+    return load_catalog(Path(other) if other else load_settings({}).models_dir)
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +74,11 @@ def make_engine(tiny: LoadedModel) -> Iterator[Callable[..., Engine]]:
     yield make
     for engine in engines:
         engine.stop(timeout=10)
+
+
+def pytest_report_header() -> str:
+    """Where the engine tests run (``SY_TEST_MODELS_DIR`` can move them to a GPU)."""
+    other = os.environ.get("SY_TEST_MODELS_DIR")
+    folder = Path(other) if other else load_settings({}).models_dir
+    tiny = load_catalog(folder)["tiny-random"]
+    return f"engine tests: tiny-random on device {tiny.device!r}, dtype {tiny.dtype!r} ({folder})"

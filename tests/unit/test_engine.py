@@ -574,3 +574,103 @@ def test_out_of_memory_halves_the_batch_and_requeued_requests_resume(
     assert [f.text for f in finishes] == expected
     assert 2 in sizes[sizes.index(4) :], "the batch was not halved after the error"
     assert max(sizes[sizes.index(4) + 3 :]) <= 2
+
+
+class FailingCat:
+    """``models.batch``'s torch, whose ``cat`` raises ``error`` on chosen calls (1-based)."""
+
+    def __init__(self, error: BaseException, calls: set[int]) -> None:
+        self.error = error
+        self.calls = calls
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def cat(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.count += 1
+        if self.count in self.calls:
+            raise self.error
+        return torch.cat(*args, **kwargs)
+
+
+def test_a_merge_that_runs_out_of_memory_half_way_leaves_the_batch_as_it_was(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import DynamicCache
+
+    import models.batch
+    from models.batch import Batch
+
+    engine = make_engine()
+    batch: Batch[str] = Batch()
+    for name, p in zip(("a", "b"), prompts(engine, 2), strict=True):
+        ids = torch.tensor([p])
+        cache = DynamicCache(config=engine.model.config)
+        with torch.inference_mode():
+            engine.model(input_ids=ids, use_cache=True, **{engine._cache_kwarg: cache})
+        batch.add(name, cache, len(p))
+    before = [
+        (k.clone(), v.clone()) for k, v in ((layer.keys, layer.values) for layer in batch.layers())
+    ]
+    mask = batch.mask.clone() if batch.mask is not None else None
+    p = prompts(engine, 6)[5]  # longer than both: the merge pads the batch on the left
+    third = DynamicCache(config=engine.model.config)
+    with torch.inference_mode():
+        engine.model(input_ids=torch.tensor([p]), use_cache=True, **{engine._cache_kwarg: third})
+    # Layer 0's keys and values merge, layer 1's values fail.
+    failing = FailingCat(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), {4})
+    monkeypatch.setattr(models.batch, "torch", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        batch.add("c", third, len(p))
+    assert failing.count == 4
+    assert batch.seqs == ["a", "b"]
+    assert batch.mask is not None and mask is not None and torch.equal(batch.mask, mask)
+    for layer, (k, v) in zip(batch.layers(), before, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    monkeypatch.setattr(models.batch, "torch", torch)
+    batch.add("c", third, len(p))  # and the same merge succeeds once memory is back
+    assert batch.seqs == ["a", "b", "c"] and batch.mask is not None
+    assert batch.mask.shape == (3, len(p)) and batch.layers()[1].keys.shape[0] == 3
+
+
+def test_out_of_memory_while_merging_a_request_puts_it_back_and_every_request_finishes(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found on an H200 (bench/cuda.py): a real OOM in the merge used to lose the request."""
+    import models.batch
+
+    engine = make_engine(max_batch_size=4)
+    ps = prompts(engine, 4)
+    expected = [engine.generate(GenerationRequest("x", p, GREEDY_N(20))).text for p in ps]
+    # Each merge into a running batch makes 5 calls (keys and values of 2 layers,
+    # then the mask): r1's merge is calls 1-5, r2's 6-10, r3's 11-15. Call 12
+    # (r3's first values) fails half-way; r3 waits for a slot, then resumes.
+    failing = FailingCat(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), {12})
+    monkeypatch.setattr(models.batch, "torch", failing)
+    handles = [engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(20))) for i, p in enumerate(ps)]
+    finishes = [drain(h)[1] for h in handles]
+    assert failing.count >= 12, "the injected error was never reached"
+    assert [f.finish_reason for f in finishes] == ["length"] * 4, [f.error for f in finishes]
+    assert [f.text for f in finishes] == expected
+    assert [f.completion_tokens for f in finishes] == [20] * 4
+
+
+def test_a_merge_that_fails_otherwise_fails_only_that_request(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import models.batch
+
+    engine = make_engine(max_batch_size=4)
+    ps = prompts(engine, 3)
+    failing = FailingCat(RuntimeError("merge exploded"), {1})
+    first = engine.submit(GenerationRequest("r0", ps[0], GREEDY_N(40)))
+    assert isinstance(first.next_event(timeout=30), TokenEvent)  # r0 runs alone, nothing merged
+    monkeypatch.setattr(models.batch, "torch", failing)
+    rest = [
+        engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(10))) for i, p in enumerate(ps[1:], 1)
+    ]
+    finishes = [drain(h)[1] for h in (first, *rest)]
+    assert [f.finish_reason for f in finishes] == ["length", "error", "length"]
+    assert finishes[1].error == "RuntimeError: merge exploded"
+    assert engine.busy_slots == 0
