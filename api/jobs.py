@@ -13,8 +13,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -339,9 +340,48 @@ def expire_if_due(job: Job) -> bool:
     return True
 
 
+FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+# How often a quiet stream's job row is read again, in seconds, to notice a job
+# that ended without its final event reaching the stream (see follow_job).
+RECORD_CHECK_S = 10.0
+
+
+def final_from_record(job: Job, seq: int) -> JobEvent:
+    """The final event of a finished ``job``, rebuilt from its row (``from_record``: true).
+
+    For a stream that no longer holds it: expired after ``stream_ttl_s``, or
+    lost with a Redis restart between the worker's write and any reader.
+    """
+    if job.status == JobStatus.failed:
+        return JobEvent(seq, "error", {"error": job.error or "failed", "from_record": True})
+    prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
+    fields: dict[str, Any] = {
+        "finish_reason": job.finish_reason
+        or ("cancelled" if job.status == JobStatus.cancelled else "stop"),
+        "text": job.output_text or "",
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+        "from_record": True,
+    }
+    return JobEvent(seq, "done", fields)
+
+
+def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
+    """The row's final event if ``job_id`` has ended in the database, else None."""
+    job = services().jobs.get(job_id)
+    if job is None or job.status not in FINAL_STATUSES:
+        return None
+    seq = max(last, services().events.last_seq(job_id)) + 1
+    log.info("job %s ended but its stream holds no final event; answered from its row", job_id)
+    return final_from_record(job, seq)
+
+
 def follow_job(
     job: Job, after: int = -1, *, idle_s: float, watch: LagWatch | None = None
-) -> Iterator[JobEvent | None]:
+) -> Generator[JobEvent | None, None, None]:
     """Every event of ``job`` after seq ``after``, ending after the final one.
 
     Yields None after each ``idle_s`` of silence, so a caller can send a
@@ -349,12 +389,24 @@ def follow_job(
     job when it is still queued past its deadline. With ``watch`` (a
     websocket's), the subscription joins it and :class:`SlowClient` is raised
     once its buffer overflowed: the socket's reader is too slow.
+
+    A job can end without its final event in the stream: the stream expired
+    (``stream_ttl_s``), or Redis restarted and lost it. While the stream is
+    quiet, the job's row is read again (at once for a job that had already
+    ended when the reader came, then every :data:`RECORD_CHECK_S`); a row that
+    has ended gives the final event (:func:`final_from_record`), so no reader
+    waits for an event that will never come.
     """
+    if job.status in FINAL_STATUSES and services().events.last_seq(job.id) < 0:
+        yield final_from_record(job, after + 1)  # its stream expired (or was lost)
+        return
     with services().hub.subscribe(job.id) as sub:
         if watch is not None:
             watch.add(sub)
         try:
             last = after
+            now = time.monotonic()
+            next_check = now if job.status in FINAL_STATUSES else now + RECORD_CHECK_S
             while True:
                 for event in sub.events(last, idle_timeout=idle_s):
                     if watch is not None and sub.lagging:
@@ -362,6 +414,12 @@ def follow_job(
                     last = event.seq
                     yield event
                     if event.final:
+                        return
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + RECORD_CHECK_S
+                    ended = _ended_by_record(job.id, last)
+                    if ended is not None:
+                        yield ended
                         return
                 expire_if_due(job)
                 yield None
@@ -493,32 +551,24 @@ def _after_param(raw: str | None) -> int:
 )
 def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
-    visible_job(job_id, optional_principal(allow_query=True))
+    job = visible_job(job_id, optional_principal(allow_query=True))
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
-    svc = services()
-    keepalive_s = svc.settings.stream_keepalive_s
-    sub = svc.hub.subscribe(job_id)
+    settings = services().settings
+    events = follow_job(job, after, idle_s=settings.stream_keepalive_s)
 
     def generate() -> Iterator[str]:
         try:
             yield "retry: 1000\n\n"
-            last = after
-            while True:
-                ended = False
-                for event in sub.events(last, idle_timeout=keepalive_s):
-                    last = event.seq
-                    yield f"id: {event.seq}\nevent: {event.type}\ndata: {event.to_json()}\n\n"
-                    if event.final:
-                        ended = True
-                        break
-                if ended:
-                    return
-                yield ": keep-alive\n\n"
+            for event in events:
+                if event is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield f"id: {event.seq}\nevent: {event.type}\ndata: {event.to_json()}\n\n"
         finally:
             # Also when a write timed out: the job runs on, Last-Event-ID resumes.
-            sub.close()
+            events.close()
 
-    return sse_response(generate(), svc.settings.ws_send_timeout_s)
+    return sse_response(generate(), settings.ws_send_timeout_s)
 
 
 def job_socket(ws: Any, job_id: str) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from sqlalchemy.exc import SQLAlchemyError
@@ -51,6 +51,28 @@ PUBLISH_RETRY_S = 60.0
 # How long a drained job waits for the engine to confirm its cancellation
 # before it is re-queued anyway (an engine that stopped stepping never will).
 DRAIN_CANCEL_WAIT_S = 5.0
+
+
+T = TypeVar("T")
+
+
+def retry_redis(job_id: str, what: str, call: Callable[[], T]) -> T:
+    """``call()``, retried while Redis is unreachable, for up to :data:`PUBLISH_RETRY_S`.
+
+    Redis restarting or failing over must not fail a generation; redis-py
+    reconnects by itself on the next try.
+    """
+    delay = 0.1
+    deadline = time.monotonic() + PUBLISH_RETRY_S
+    while True:
+        try:
+            return call()
+        except redis.RedisError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("job %s: could not %s (%s); retrying", job_id, what, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def sampling_params(definition: ModelDefinition, requested: dict[str, Any]) -> SamplingParams:
@@ -99,21 +121,9 @@ class _Stream:
         return event
 
     def _write(self, events: list[JobEvent]) -> None:
-        # Redis restarting or failing over must not fail a generation: retry the
-        # same events (redis-py reconnects by itself). A write that half-happened
-        # before the error repeats a seq, which every reader skips.
-        delay = 0.1
-        deadline = time.monotonic() + PUBLISH_RETRY_S
-        while True:
-            try:
-                self.events.append(self.job_id, events)
-                return
-            except redis.RedisError as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("job %s: could not publish events (%s); retrying", self.job_id, exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        # A write that half-happened before an error repeats a seq, which every
+        # reader skips.
+        retry_redis(self.job_id, "publish events", lambda: self.events.append(self.job_id, events))
 
 
 class JobRunner:
@@ -172,15 +182,15 @@ class JobRunner:
             return
         if job.status == JobStatus.failed.value:  # the claim expired it: never started
             log.info("job %s waited past its deadline; not started", job_id)
-            seq = self.events.next_seq(job_id)
-            self.events.append(job_id, [JobEvent(seq, "error", {"error": job.error})])
+            stream = _Stream(self.events, job_id, self._next_seq(job_id))
+            stream.emit("error", error=job.error)
             return
         self.last_job = job_id
         with self._lock:
             self._active.add(job_id)
         try:
             self._record_start(job)
-            stream = _Stream(self.events, job_id, self.events.next_seq(job_id))
+            stream = _Stream(self.events, job_id, self._next_seq(job_id))
             stream.emit("started", attempt=job.attempts, worker=self.worker_id)
             try:
                 self._generate(job, stream)
@@ -190,6 +200,9 @@ class JobRunner:
         finally:
             with self._lock:
                 self._active.discard(job_id)
+
+    def _next_seq(self, job_id: str) -> int:
+        return retry_redis(job_id, "read its stream", lambda: self.events.next_seq(job_id))
 
     def _pass_on(self, job_id: str) -> None:
         """A message that arrived after the drain deadline: leave the job to another worker.

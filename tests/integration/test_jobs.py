@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -358,3 +359,89 @@ def test_models_list_the_catalog_with_state(
     assert {"smollm2-135m", "tiny-random", "tiny-late"} <= set(by_id)
     assert by_id["tiny-random"]["state"]["replicas_ready"] == 1
     assert by_id["tiny-random"]["limits"]["max_new_tokens"] == 1024
+
+
+def test_a_finished_job_whose_stream_expired_ends_from_its_record(
+    api_url: str, user_token: str, tiny_worker: farm.Process, migrated: Settings
+) -> None:
+    """After ``stream_ttl_s`` the stream is gone; a reader still gets the end, from the row."""
+    import redis
+
+    from tasks.events import EventLog
+
+    job_id = submit_ok(api_url, user_token)
+    live = farm.ws_events(api_url, job_id, user_token)
+    job = wait_final(api_url, user_token, job_id)
+    client = redis.Redis.from_url(migrated.redis_url)
+    assert client.delete(EventLog(client, migrated).channel(job_id)) == 1  # as the TTL does
+    done = live[-1]
+    expected = {
+        "type": "done",
+        "finish_reason": done["finish_reason"],
+        "text": done["text"],
+        "usage": done["usage"],
+        "from_record": True,
+    }
+    started = time.monotonic()
+    assert farm.ws_events(api_url, job_id, user_token, timeout=30) == [{"seq": 0, **expected}]
+    assert farm.ws_events(api_url, job_id, user_token, after=7, timeout=30) == [
+        {"seq": 8, **expected}
+    ]
+    assert farm.sse_events(api_url, job_id, user_token, timeout=30) == [{"seq": 0, **expected}]
+    assert time.monotonic() - started < 5, "the end should come at once, not after a keep-alive"
+    assert job["output_text"] == done["text"]
+
+
+def test_a_job_that_ended_without_its_final_event_still_ends_its_readers(
+    api_url: str, user_token: str, migrated: Settings
+) -> None:
+    """A worker wrote the final row, then its ``done`` event was lost (Redis restarted
+    between the two): a reader that is following the job gets the end from the row.
+
+    The test plays that worker: it claims the job (no worker serves tiny-late now)
+    and records the outcome in the database, writing no event.
+    """
+    import threading
+
+    import websocket
+
+    from db.jobs import JobOutcome, JobStore
+    from db.schema import JobStatus
+    from db.session import Database
+
+    job_id = submit_ok(api_url, user_token, model="tiny-late")
+    frames: list[dict[str, Any]] = []
+    ws = websocket.create_connection(
+        api_url.replace("http", "ws", 1) + f"/v1/jobs/{job_id}/ws",
+        header=[f"Authorization: Bearer {user_token}"],
+        timeout=60,
+    )
+
+    def read() -> None:  # frames as they come (farm.ws_events returns them at the end)
+        with contextlib.suppress(websocket.WebSocketException):
+            while raw := ws.recv():
+                frames.append(json.loads(raw))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    farm.wait_for("the reader to see queued", lambda: bool(frames) or None, timeout=30)
+    db = Database(migrated.database_url)
+    try:
+        store = JobStore(db)
+        assert store.claim(job_id, "played-worker") is not None
+        outcome = JobOutcome(JobStatus.succeeded, "the lost answer", "length", 5, 3)
+        assert store.finish(job_id, "played-worker", outcome)
+    finally:
+        db.dispose()
+    reader.join(60)
+    ws.close()
+    assert not reader.is_alive(), "the reader never ended"
+    assert [f["type"] for f in frames] == ["queued", "done"]
+    assert frames[1] == {
+        "seq": 1,
+        "type": "done",
+        "finish_reason": "length",
+        "text": "the lost answer",
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        "from_record": True,
+    }
