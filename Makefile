@@ -47,7 +47,7 @@ test-e2e: $(VENV)/.installed-dev
 # Redis and Postgres restarts (test_faults_services.py) write their figures to
 # .switchyard/reports/faults-*.md.
 faults: $(VENV)/.installed-dev
-	SY_FAULT_LONG=1 SY_FAULT_KILLS=50 SY_FUZZ_EXAMPLES=250 $(BIN)/pytest -q -s -ra \
+	SY_FAULT_KILLS=50 SY_FUZZ_EXAMPLES=250 $(BIN)/pytest -q -s -ra \
 		tests/integration/test_faults_workers.py tests/integration/test_faults_services.py \
 		tests/integration/test_fuzz.py
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 import requests
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
@@ -72,6 +72,25 @@ def reset_database(url: str) -> None:
             for table in ("jobs", "api_tokens", "users", "alembic_version"):
                 conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
     engine.dispose()
+
+
+def database_of_its_own(base_url: str, suffix: str) -> str:
+    """The URL of ``<database>_<suffix>`` beside ``base_url``'s database, created if missing.
+
+    For a farm of its own inside a test session: a reaper sweeps every running
+    job of the database it is given, and takes the jobs of a farm whose workers
+    beat in another Redis (or under another prefix) for jobs of lost workers.
+    Two farms must never share a database.
+    """
+    url = make_url(base_url)
+    name = f"{url.database}_{suffix}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        exists = conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name})
+        if exists.scalar() is None:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return url.set(database=name).render_as_string(hide_password=False)
 
 
 def free_port() -> int:

@@ -34,7 +34,6 @@ import pytest
 import redis
 import requests
 import yaml
-from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from config import Settings
@@ -63,18 +62,6 @@ IN_FLIGHT = 6
 # --- the farm of this module -----------------------------------------------------------
 
 
-def _database_of_its_own(base_url: str) -> str:
-    url = make_url(base_url)
-    name = f"{url.database}_faults"
-    admin = create_engine(url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        exists = conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name})
-        if exists.scalar() is None:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    admin.dispose()
-    return url.set(database=name).render_as_string(hide_password=False)
-
-
 @pytest.fixture(scope="module")
 def fsettings(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """Settings of this module: own database, own prefix, one model pinned at 2 workers."""
@@ -82,7 +69,7 @@ def fsettings(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> S
 
     if make_url(settings.database_url).get_backend_name() != "postgresql":
         pytest.skip("needs Postgres")
-    url = _database_of_its_own(settings.database_url)
+    url = farm.database_of_its_own(settings.database_url, "faults")
     farm.reset_database(url)
     upgrade(url)
     folder = tmp_path_factory.mktemp("fault-models")
