@@ -340,7 +340,6 @@ def expire_if_due(job: Job) -> bool:
     return True
 
 
-FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
 # How often a quiet stream's job row is read again, in seconds, to notice a job
 # that ended without its final event reaching the stream (see follow_job).
 RECORD_CHECK_S = 10.0
@@ -372,7 +371,7 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
     """The row's final event if ``job_id`` has ended in the database, else None."""
     job = services().jobs.get(job_id)
-    if job is None or job.status not in FINAL_STATUSES:
+    if job is None or not JobStatus(job.status).final:
         return None
     seq = max(last, services().events.last_seq(job_id)) + 1
     log.info("job %s ended but its stream holds no final event; answered from its row", job_id)
@@ -397,7 +396,8 @@ def follow_job(
     has ended gives the final event (:func:`final_from_record`), so no reader
     waits for an event that will never come.
     """
-    if job.status in FINAL_STATUSES and services().events.last_seq(job.id) < 0:
+    ended_before = JobStatus(job.status).final
+    if ended_before and services().events.last_seq(job.id) < 0:
         yield final_from_record(job, after + 1)  # its stream expired (or was lost)
         return
     with services().hub.subscribe(job.id) as sub:
@@ -406,7 +406,7 @@ def follow_job(
         try:
             last = after
             now = time.monotonic()
-            next_check = now if job.status in FINAL_STATUSES else now + RECORD_CHECK_S
+            next_check = now if ended_before else now + RECORD_CHECK_S
             while True:
                 for event in sub.events(last, idle_timeout=idle_s):
                     if watch is not None and sub.lagging:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,17 +40,6 @@ def gunicorn_url(migrated: Settings, log_dir: Path) -> Iterator[str]:
         yield url
 
 
-def wait_final(url: str, token: str, job_id: str) -> dict:
-    headers = {"Authorization": f"Bearer {token}"}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        job = requests.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
-        if job["status"] in ("succeeded", "failed", "cancelled"):
-            return dict(job)
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end")
-
-
 def test_metrics_count_jobs_tokens_latencies_and_requests_across_processes(
     gunicorn_url: str, user_token: str, migrated: Settings, tiny_worker: farm.Process
 ) -> None:
@@ -64,7 +52,7 @@ def test_metrics_count_jobs_tokens_latencies_and_requests_across_processes(
         r = requests.post(f"{url}/v1/jobs", json=body, headers=headers, timeout=30)
         assert r.status_code == 202, r.text
         jobs.append(r.json()["id"])
-    finals = [wait_final(url, user_token, j) for j in jobs]
+    finals = [farm.wait_final(url, user_token, j) for j in jobs]
     assert all(j["status"] == "succeeded" for j in finals)
     generated = sum(j["usage"]["completion_tokens"] for j in finals)
     prompt = sum(j["usage"]["prompt_tokens"] for j in finals)
