@@ -93,6 +93,12 @@ class Limits(_Strict):
     max_input_tokens: int = Field(default=2048, ge=1)
     max_new_tokens: int = Field(default=512, ge=1)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_step_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="Tokens one engine step runs: decoding rows plus prompt chunks.",
+    )
     slots: int | None = Field(
         default=None, ge=1, le=1024, description="Celery task slots; default max_batch_size."
     )
@@ -218,8 +224,13 @@ class ModelDefinition(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str = ""
     source: Source
-    backend: Literal["transformers", "optimum"] = "transformers"
+    backend: Literal["transformers"] = "transformers"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "none", "int4"] = Field(
+        default="auto",
+        description="Linear-layer weights: int4 (4-bit weight-only, groups of 32), none "
+        "(dense in dtype), auto (int4 on a CPU, none on a GPU).",
+    )
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     limits: Limits = Field(default_factory=Limits)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)

@@ -51,8 +51,18 @@ class IncrementalDetokenizer:
         return text[len(prefix) :]
 
     def full_text(self) -> str:
-        """The decoding of every id pushed, in one call (used once, at the end)."""
-        return self._decode(self.ids)
+        """The decoding of every id pushed, in one call (used once, at the end).
+
+        Tokens still waiting to complete a character are an incomplete
+        character: a generation cut there ends before it, not with U+FFFD
+        (as vLLM does).
+        """
+        text = self._decode(self.ids)
+        if self._read_offset < len(self.ids) and text.endswith(REPLACEMENT_CHAR):
+            settled = len(self._decode(self.ids[: self._read_offset]))
+            while len(text) > settled and text.endswith(REPLACEMENT_CHAR):
+                text = text[:-1]
+        return text
 
 
 class StopStringFilter:

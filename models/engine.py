@@ -1,32 +1,39 @@
 """The generation engine: continuous batching over one loaded model.
 
 One step-loop thread owns the model. Requests are submitted from any thread
-and wait in a FIFO; between two decoding steps the loop admits as many as there
-are free slots: it prefills each new request alone (batch 1, exactly as if it
-ran alone), samples its first token, and merges its KV cache into the running
-batch by left-padding both caches to a common length (an attention mask hides
-the padding; position ids are given per row, so padding shifts nothing). Every
-step then decodes one token for every running request in a single forward
-pass. A request that finishes or is cancelled leaves at once: the batch is
-index-selected without it, and columns that became padding for every row are
-trimmed from the left.
+and wait in a FIFO; the loop admits them into free slots of the KV cache
+(:class:`~models.llama.SlotCache`) as long as the batch has room. Each step
+is one forward pass over a flat batch of tokens (:mod:`models.llama`): one
+token for every decoding sequence plus chunks of the prompts being prefilled,
+up to a budget of ``max_step_tokens`` tokens — so a long prompt is prefilled
+over several steps while the running streams keep decoding (chunked prefill),
+and several new prompts are prefilled together. Joining or leaving the batch
+copies nothing: a slot is taken, or given back.
+
+Sampling is batched: greedy rows take one argmax for the whole batch, the
+others sample on the device from per-request generators, and the step's
+tokens reach the host in one transfer (:func:`~models.sampling.sample_rows`).
 
 Events reach the caller through a :class:`RequestHandle`: zero or more
 :class:`TokenEvent` followed by exactly one :class:`FinishEvent`.
 
-Failure isolation: an error in one request's own work (prefill, sampling,
-detokenizing) fails that request alone; an error in the shared forward pass
-fails the requests of that step and the loop goes on serving; a CUDA
-out-of-memory error halves the batch, putting the other half back at the head
-of the queue to be re-prefilled later, instead of failing anything. An
-out-of-memory error while admitting a request (its prefill, or merging its
-cache, which is all or nothing) puts that request back first in line and stops
-the batch growing; a request the loop has taken always gets a finish event.
+A request may resume an earlier attempt (``resume_ids``): its prompt and the
+tokens already emitted are prefilled, and it goes on as if it had never
+stopped — same remaining budget, same stop-string state, same random stream
+for a seeded request.
+
+Failure isolation: an error in one request's own work (sampling,
+detokenizing) fails that request alone; an error in a step that prefills new
+prompts fails those new requests and the decoding ones go on; an error in a
+decode-only step fails the requests of that step and the loop goes on
+serving. A CUDA out-of-memory error sends the newest half of the batch back
+to the head of the queue (their caches are recomputed when they return) and
+lowers the batch cap, which grows back a slot at a time; a request the loop
+has taken always gets a finish event.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import queue
 import threading
@@ -37,14 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
-from models.batch import Batch, check_mergeable
 from models.detokenize import IncrementalDetokenizer, StopStringFilter
 from models.errors import EngineClosed, EngineError, InvalidRequest, PromptTooLong
+from models.llama import Chunk, LlamaRuntime, SlotCache, StepInput
 from models.loader import LoadedModel
-from models.sampling import Sampler, SamplingParams
+from models.sampling import Sampler, SamplingParams, sample_rows
 
 __all__ = [
     "Engine",
@@ -67,17 +72,30 @@ THROUGHPUT_WINDOW_S = 10.0
 OOM_REGROW_STEPS = 64
 """Decoding steps after an out-of-memory error before the batch may take one more request."""
 
+DEFAULT_STEP_TOKENS = 256
+"""Tokens one step may run (decoding rows plus prefill chunks) unless the caller says."""
+
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Chat-template end markers that end a generation when the template uses them."""
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation: prompt token ids and how to sample the continuation."""
+    """One generation: prompt token ids and how to sample the continuation.
+
+    ``resume_ids`` are tokens an earlier attempt of the same generation
+    already emitted (exactly as generated) and ``resume_text`` the text it
+    emitted: the engine prefills prompt + ``resume_ids`` and continues. The
+    resumed tokens count toward ``max_new_tokens`` and the finish event's
+    ``completion_tokens``; stop strings see their text; a seeded request
+    draws the same random numbers an uninterrupted run would have.
+    """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    resume_ids: tuple[int, ...] = ()
+    resume_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,8 @@ class TokenEvent:
     """Text to append to the output, with the token ids it came from.
 
     The text never contains (part of) a stop string and never ends inside a
-    UTF-8 character; it is never empty.
+    UTF-8 character; it is never empty. A resumed request's events carry only
+    what the resumed attempt adds.
     """
 
     text: str
@@ -98,8 +117,9 @@ class FinishEvent:
 
     ``finish_reason`` is ``length``, ``eos_token``, ``stop_sequence``,
     ``cancelled`` or ``error`` (then ``error`` says what went wrong). ``text``
-    equals the concatenation of every :class:`TokenEvent` text of the request.
-    ``completion_tokens`` counts every token sampled, end-of-sequence included.
+    equals the request's ``resume_text`` followed by every :class:`TokenEvent`
+    text of the request. ``completion_tokens`` counts every token sampled,
+    resumed ones and end-of-sequence included.
     """
 
     finish_reason: str
@@ -174,7 +194,8 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)
     emitted: list[str] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
-    position: int = 0  # tokens of this sequence held in the KV cache
+    slot: int | None = None  # its row of the KV cache while admitted
+    computed: int = 0  # tokens of this sequence held in the KV cache
     cancelled: bool = False
     done: bool = False
 
@@ -185,9 +206,28 @@ class _Sequence:
     def all_ids(self) -> list[int]:
         return [*self.request.prompt_ids, *self.generated]
 
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError)
+
+
+@dataclass
+class _Plan:
+    """What one step runs: its sequences (decoding first) and the tokens of each."""
+
+    seqs: list[_Sequence]
+    counts: list[int]
+    step: StepInput
+    sampled: list[_Sequence]  # those whose last token is in this step: they get a new one
+    decoding: int  # the first ``decoding`` of ``seqs`` are decoding rows
+
+    @property
+    def prefilling(self) -> list[_Sequence]:
+        return self.seqs[self.decoding :]
 
 
 class Engine:
@@ -195,8 +235,10 @@ class Engine:
 
     ``max_batch_size`` bounds the requests decoded together (the others wait in
     FIFO order); ``max_input_tokens`` bounds a prompt; ``max_new_tokens``, when
-    given, bounds what a request may ask for. Call :meth:`start` once, then
-    :meth:`submit` from any thread; :meth:`stop` ends the loop.
+    given, bounds what a request may ask for; ``max_step_tokens`` bounds the
+    tokens of one forward pass (decoding rows plus prefill chunks). Call
+    :meth:`start` once, then :meth:`submit` from any thread; :meth:`stop` ends
+    the loop.
     """
 
     def __init__(
@@ -206,6 +248,7 @@ class Engine:
         max_batch_size: int,
         max_input_tokens: int,
         max_new_tokens: int | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -213,27 +256,26 @@ class Engine:
             raise ValueError("max_input_tokens must be at least 1")
         self.loaded = loaded
         self.model = loaded.model
+        self.runtime: LlamaRuntime = loaded.runtime
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.max_batch_size = max_batch_size
         self.max_input_tokens = max_input_tokens
         self.max_new_tokens = max_new_tokens
-        embeddings: Any = self.model.get_input_embeddings()
-        self.vocab_size = int(embeddings.weight.shape[0])
+        self.max_step_tokens = max(max_step_tokens or DEFAULT_STEP_TOKENS, max_batch_size)
+        self.vocab_size = self.runtime.vocab_size
         self.eos_token_ids = frozenset(self._find_eos_ids())
-        self._cache_kwarg = (
-            "cache"
-            if "cache" in inspect.signature(self.model.forward).parameters
-            else "past_key_values"
-        )
-        self._check_cache_layout()
+        longest = max_input_tokens + (max_new_tokens or self.runtime.max_positions)
+        self._cache: SlotCache = self.runtime.new_cache(max_batch_size, longest)
 
         self._lock = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._batch: Batch[_Sequence] = Batch()
+        self._running: list[_Sequence] = []  # admitted, in admission order
+        # Prefilling requests of a step that failed: one of them may be the
+        # cause, so they are prefilled one per step until each passes or fails alone.
+        self._suspects: set[_Sequence] = set()
         self._batch_cap = max_batch_size  # lowered after an out-of-memory error
         self._steps_at_cap = 0
-        self._admitting: _Sequence | None = None  # being prefilled, not yet in the batch
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -266,8 +308,8 @@ class Engine:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         with self._lock:
-            leftovers = list(self._batch.seqs) + list(self._waiting)
-            self._batch.clear()
+            leftovers = list(self._running) + list(self._waiting)
+            self._running.clear()
             self._waiting.clear()
         for seq in leftovers:
             self._finish(seq, "cancelled")
@@ -275,15 +317,8 @@ class Engine:
     @property
     def busy_slots(self) -> int:
         """Requests being decoded now (not counting those waiting for a slot)."""
-        # Read both under the lock: the step loop moves a sequence from
-        # ``_admitting`` into the batch under it, so it is counted once.
         with self._lock:
-            admitting = self._admitting
-            seqs = list(self._batch.seqs)
-        busy = sum(1 for seq in seqs if not seq.done)
-        if admitting is not None and not admitting.done and admitting not in seqs:
-            busy += 1
-        return busy
+            return sum(1 for seq in self._running if not seq.done)
 
     @property
     def queued(self) -> int:
@@ -376,6 +411,8 @@ class Engine:
         )
         handle = RequestHandle(request.request_id, self, seq)
         seq.handle = handle
+        if request.resume_ids and self._resume(seq):
+            return handle  # the earlier attempt had already reached its end
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine has been stopped")
@@ -402,9 +439,14 @@ class Engine:
             raise InvalidRequest("prompt", "the prompt is empty")
         if len(ids) > self.max_input_tokens:
             raise PromptTooLong(len(ids), self.max_input_tokens)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary")
+        for name, tokens in (("prompt", ids), ("resume_ids", request.resume_ids)):
+            for t in tokens:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise InvalidRequest(name, f"token id {t!r} is outside the vocabulary")
+        if len(ids) + len(request.resume_ids) >= self._cache.max_length:
+            raise PromptTooLong(
+                len(ids) + len(request.resume_ids), self._cache.max_length - 1, field="resume_ids"
+            )
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -430,12 +472,35 @@ class Engine:
                 ids.add(int(vocab[marker]))
         return ids
 
-    def _check_cache_layout(self) -> None:
-        if not check_mergeable(self.model.config):
-            raise EngineError(
-                "this model's KV cache is not a plain per-layer cache (sliding window or "
-                "recurrent layers); the batching engine cannot merge it"
-            )
+    def _resume(self, seq: _Sequence) -> bool:
+        """Replay an earlier attempt's tokens into ``seq``; True if that already ends it.
+
+        The detokenizer and the repetition penalty see every resumed token;
+        text those tokens produced that the earlier attempt had not emitted
+        (held back as a possible stop string) goes through the stop filter
+        again.
+        """
+        request = seq.request
+        pieces = []
+        for token in request.resume_ids:
+            seq.generated.append(token)
+            seq.sampler.observe(token)
+            pieces.append(seq.detokenizer.push(token))
+        produced = "".join(pieces)
+        if request.resume_text:
+            seq.emitted.append(request.resume_text)
+        held = ""
+        if produced.startswith(request.resume_text):
+            held = produced[len(request.resume_text) :]
+        text, hit = seq.stops.feed(held)
+        self._emit(seq, text)
+        if hit:
+            self._finish(seq, "stop_sequence", flush=False)
+        elif seq.generated[-1] in self.eos_token_ids:
+            self._finish(seq, "eos_token")
+        elif len(seq.generated) >= seq.params.max_new_tokens:
+            self._finish(seq, "length")
+        return seq.done
 
     # -- the step loop -----------------------------------------------------------------
 
@@ -443,167 +508,189 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._lock:
-                    while not self._stopping and not self._waiting and not self._batch.seqs:
+                    while not self._stopping and not self._waiting and not self._running:
                         self._lock.wait()
                     if self._stopping:
                         return
                 try:
                     self._admit()
                     self._drop_cancelled()
-                    if self._batch.seqs:
-                        self._decode_step()
+                    if self._running:
+                        self._step()
                 except Exception as exc:  # the loop must outlive any bug
                     log.exception("engine step failed")
-                    self._fail_batch(f"{type(exc).__name__}: {exc}")
+                    self._fail(list(self._running), f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, oldest first."""
-        while True:
-            with self._lock:
-                if self._stopping or not self._waiting or len(self._batch) >= self._batch_cap:
-                    return
-                seq = self._waiting.popleft()
-                self._admitting = seq
-            try:
-                admitted = self._admit_one(seq)
-            except BaseException as exc:  # never lose a request the loop took
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-                raise
-            finally:
-                with self._lock:
-                    self._admitting = None
-            if not admitted:
-                return
-
-    def _admit_one(self, seq: _Sequence) -> bool:
-        """Prefill ``seq`` and merge it into the batch; False if it was put back (OOM)."""
-        if seq.cancelled:
-            self._finish(seq, "cancelled")
-            return True
-        try:
-            cache, logits = self._prefill(seq)
-        except Exception as exc:  # one request's failure is its own
-            if _is_oom(exc) and self._batch.seqs:
-                self._put_back(seq)
-                return False
-            log.warning("prefill of %s failed: %s", seq.request.request_id, exc)
-            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return True
-        seq.position = len(seq.all_ids())
-        self._process_row(seq, logits)
-        self._count_tokens(1)
-        if seq.done:
-            return True
-        try:
-            with self._lock:
-                self._batch.add(seq, cache, seq.position)
-        except Exception as exc:  # the merge left the batch as it was
-            del cache
-            if _is_oom(exc):
-                # Its first token is out: the next prefill (prompt + that token)
-                # picks the sequence up where it stopped.
-                self._put_back(seq)
-                return False
-            log.warning("merging %s into the batch failed: %s", seq.request.request_id, exc)
-            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-        return True
-
-    def _put_back(self, seq: _Sequence) -> None:
-        """Out of memory admitting ``seq``: it waits first in line; the batch stops growing."""
-        self._empty_device_cache()
-        log.warning(
-            "out of memory admitting %s beside %d requests; it waits for a free slot",
-            seq.request.request_id,
-            len(self._batch),
-        )
+        """Give waiting requests free slots, oldest first (their prefill runs in steps)."""
         with self._lock:
-            self._waiting.appendleft(seq)
-            self._batch_cap = max(1, len(self._batch))
-            self._steps_at_cap = 0
-
-    def _prefill(self, seq: _Sequence) -> tuple[DynamicCache, torch.Tensor]:
-        """Run a sequence's tokens alone; return its cache and last-position logits."""
-        ids = torch.tensor([seq.all_ids()], dtype=torch.long, device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache}
-        )
-        return cache, out.logits[0, -1].float()
+            used = {seq.slot for seq in self._running}
+            free = (slot for slot in range(self.max_batch_size) if slot not in used)
+            while self._waiting and len(self._running) < self._batch_cap and not self._stopping:
+                seq = self._waiting[0]
+                if seq.cancelled:
+                    self._waiting.popleft()
+                    self._finish(seq, "cancelled")
+                    continue
+                self._waiting.popleft()
+                seq.slot = next(free)
+                seq.computed = 0
+                self._running.append(seq)
 
     def _drop_cancelled(self) -> None:
-        batch = self._batch
-        if not any(s.cancelled for s in batch.seqs):
-            return
-        keep = []
-        for row, seq in enumerate(batch.seqs):
-            if seq.cancelled:
-                self._finish(seq, "cancelled")
-            else:
-                keep.append(row)
-        with self._lock:
-            batch.keep(keep)
+        for seq in [s for s in self._running if s.cancelled]:
+            self._finish(seq, "cancelled")
+            self._leave(seq)
 
-    def _decode_step(self) -> None:
-        """One forward pass over the batch, one new token for every row."""
-        batch = self._batch
-        assert batch.mask is not None
-        width = batch.mask.shape[1]
-        device = batch.mask.device
-        input_ids = torch.tensor(
-            [[s.generated[-1]] for s in batch.seqs], dtype=torch.long, device=device
-        )
-        positions = torch.tensor(
-            [[s.position] for s in batch.seqs], dtype=torch.long, device=device
-        )
-        mask = F.pad(batch.mask, (0, 1), value=1)
-        try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kwarg: batch.cache},
-            )
-            logits = out.logits[:, -1].float()
-        except Exception as exc:  # shared: fail this step's requests
-            if _is_oom(exc) and len(batch) > 1:
-                self._halve_batch(width)
-                return
-            log.warning("decode step of %d requests failed: %s", len(batch), exc)
-            self._fail_batch(f"{type(exc).__name__}: {exc}")
-            return
-        batch.mask = mask
-        keep = []
-        for row, seq in enumerate(batch.seqs):
-            seq.position += 1
-            if seq.cancelled:
-                self._finish(seq, "cancelled")
-                continue
-            self._process_row(seq, logits[row])
-            if not seq.done:
-                keep.append(row)
-        self._count_tokens(len(batch))
+    def _leave(self, seq: _Sequence) -> None:
+        self._suspects.discard(seq)
         with self._lock:
-            batch.keep(keep)
+            if seq in self._running:
+                self._running.remove(seq)
+            seq.slot = None
+
+    def _plan(self) -> _Plan:
+        """Decoding rows first (in slot order), then prefill chunks within the token budget."""
+        decoding = sorted(
+            (s for s in self._running if s.computed and s.length - s.computed == 1),
+            key=lambda s: s.slot if s.slot is not None else 0,
+        )
+        budget = self.max_step_tokens - len(decoding)
+        seqs: list[_Sequence] = list(decoding)
+        counts = [1] * len(decoding)
+        ids: list[int] = [s.generated[-1] if s.generated else s.all_ids()[-1] for s in decoding]
+        positions = [s.length - 1 for s in decoding]
+        chunks: list[Chunk] = []
+        logit_rows = list(range(len(decoding)))
+        sampled = list(decoding)
+        for seq in self._running:
+            if seq in decoding or budget <= 0:
+                continue
+            if self._suspects and len(seqs) > len(decoding):
+                break  # isolating a failure: one prefill per step
+            todo = seq.all_ids()[seq.computed :]
+            take = min(len(todo), budget)
+            assert seq.slot is not None
+            chunks.append(Chunk(seq.slot, seq.computed, take))
+            start = len(ids)
+            ids.extend(todo[:take])
+            positions.extend(range(seq.computed, seq.computed + take))
+            seqs.append(seq)
+            counts.append(take)
+            budget -= take
+            if take == len(todo):
+                logit_rows.append(start + take - 1)
+                sampled.append(seq)
+        step = StepInput(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            decode_slots=[s.slot for s in decoding if s.slot is not None],
+            chunks=chunks,
+            logit_rows=logit_rows,
+        )
+        return _Plan(seqs, counts, step, sampled, len(decoding))
+
+    def _step(self) -> None:
+        """One forward pass over the plan, one new token for each sequence it completes."""
+        plan = self._plan()
+        if not plan.seqs:
+            return
+        try:
+            self._cache.ensure(
+                max(s.computed + n for s, n in zip(plan.seqs, plan.counts, strict=True))
+            )
+            logits = self.runtime.forward(plan.step, self._cache)
+        except Exception as exc:  # shared: decide who pays for it
+            self._step_failed(plan, exc)
+            return
+        for seq, n in zip(plan.seqs, plan.counts, strict=True):
+            seq.computed += n
+        self._suspects.difference_update(plan.prefilling)
+        tokens = self._sample(plan.sampled, logits)
+        for seq, token in zip(plan.sampled, tokens, strict=True):
+            if token is None or seq.done:
+                continue
+            try:
+                self._advance(seq, token)
+            except Exception as exc:  # one request's failure is its own
+                log.warning("request %s failed: %s", seq.request.request_id, exc)
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+        self._count_tokens(len(plan.sampled))
+        for seq in plan.sampled:
+            if not seq.done and seq.length >= self._cache.max_length:
+                self._finish(seq, "length")  # the context window is full
+        for seq in [s for s in self._running if s.done]:
+            self._leave(seq)
+        with self._lock:
             self._regrow_cap()
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int | None]:
+        """The step's tokens (one host transfer); a row whose sampling fails fails alone."""
+        samplers = [s.sampler for s in seqs]
+        indices = [len(s.generated) for s in seqs]
+        try:
+            return list(sample_rows(samplers, logits, indices))
+        except Exception:
+            picked: list[int | None] = []
+            for row, seq in enumerate(seqs):
+                try:
+                    picked.append(int(seq.sampler.sample(logits[row], indices[row])))
+                except Exception as exc:  # one request's failure is its own
+                    log.warning("sampling for %s failed: %s", seq.request.request_id, exc)
+                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                    picked.append(None)
+            return picked
+
+    def _step_failed(self, plan: _Plan, exc: Exception) -> None:
+        """A forward pass raised: preempt on out of memory, else fail who brought it."""
+        message = f"{type(exc).__name__}: {exc}"
+        if _is_oom(exc) and len(self._running) > 1:
+            self._preempt(exc)
+            return
+        prefilling = plan.prefilling
+        if len(prefilling) == 1:
+            # The one new prompt fails; the decoding rows (if any) retry without it.
+            log.warning("prefill of %s failed: %s", prefilling[0].request.request_id, exc)
+            self._suspects.discard(prefilling[0])
+            self._fail(prefilling, message)
+        elif prefilling:
+            log.warning("a step prefilling %d requests failed: %s", len(prefilling), exc)
+            self._suspects.update(prefilling)
+        else:
+            log.warning("a step of %d requests failed: %s", len(plan.seqs), exc)
+            self._fail(plan.seqs, message)
+
+    def _preempt(self, exc: Exception) -> None:
+        """Out of memory: the newest half waits at the head of the queue, the cap drops."""
+        self._empty_device_cache()
+        running = list(self._running)
+        keep = max(1, len(running) // 2)
+        back = running[keep:]
+        log.warning(
+            "out of memory with %d requests (%s); continuing with %d", len(running), exc, keep
+        )
+        with self._lock:
+            for seq in back:
+                self._running.remove(seq)
+                seq.slot, seq.computed = None, 0
+            self._waiting.extendleft(reversed(back))
+            self._batch_cap = keep
+            self._steps_at_cap = 0
 
     def _regrow_cap(self) -> None:
         """After an out-of-memory error, let the batch grow back a slot at a time."""
         if self._batch_cap >= self.max_batch_size:
             return
         self._steps_at_cap += 1
-        if not self._batch.seqs or self._steps_at_cap >= OOM_REGROW_STEPS:
-            self._batch_cap = self.max_batch_size if not self._batch.seqs else self._batch_cap + 1
+        if not self._running or self._steps_at_cap >= OOM_REGROW_STEPS:
+            self._batch_cap = self.max_batch_size if not self._running else self._batch_cap + 1
             self._steps_at_cap = 0
 
-    def _process_row(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample one token for ``seq`` and emit its text; failures fail ``seq`` alone."""
-        try:
-            self._advance(seq, seq.sampler.sample(logits))
-        except Exception as exc:  # one request's failure is its own
-            log.warning("request %s failed: %s", seq.request.request_id, exc)
-            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+    def _fail(self, seqs: list[_Sequence], message: str) -> None:
+        for seq in seqs:
+            self._finish(seq, "error", error=message)
+            self._leave(seq)
+            self._suspects.discard(seq)
 
     def _advance(self, seq: _Sequence, token: int) -> None:
         seq.generated.append(token)
@@ -662,27 +749,6 @@ class Engine:
             text += stops.flush()
         self._emit(seq, text)
         return hit
-
-    def _fail_batch(self, message: str) -> None:
-        with self._lock:
-            seqs = list(self._batch.seqs)
-            self._batch.clear()
-        for seq in seqs:
-            self._finish(seq, "error", error=message)
-
-    def _halve_batch(self, width: int) -> None:
-        """After an out-of-memory error: keep half the rows, requeue the rest first."""
-        self._empty_device_cache()
-        batch = self._batch
-        batch.crop(width)
-        half = len(batch) // 2
-        requeue = batch.seqs[half:]
-        log.warning("out of memory with %d requests; continuing with %d", len(batch), half)
-        with self._lock:
-            batch.keep(list(range(half)))
-            self._waiting.extendleft(reversed(requeue))
-            self._batch_cap = max(1, half)
-            self._steps_at_cap = 0
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":

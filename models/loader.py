@@ -44,6 +44,7 @@ from config.catalog import (
     RandomSource,
 )
 from models.errors import ModelLoadError
+from models.llama import LlamaRuntime, supports
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +57,20 @@ CACHE_FORMAT = 1
 
 @dataclass
 class LoadedModel:
-    """A model ready for the engine: in eval mode, on ``device``, in ``dtype``."""
+    """A model ready for the engine: in eval mode, on ``device``, in ``dtype``.
+
+    ``runtime`` holds the weights the engine runs (repacked, maybe 4-bit:
+    ``quantization``); ``model`` keeps the configuration and generation
+    settings.
+    """
 
     name: str
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
+    runtime: LlamaRuntime
+    quantization: str | None
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -77,6 +85,13 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec]
+
+
+def resolve_quantization(spec: str, device: torch.device) -> str | None:
+    """``auto`` is int4 on a CPU (PyTorch's int4 CPU kernels; bench/README.md) and none on CUDA."""
+    if spec == "auto":
+        return "int4" if device.type == "cpu" else None
+    return None if spec == "none" else spec
 
 
 def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -> LoadedModel:
@@ -105,25 +120,16 @@ def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
-    if definition.backend == "optimum":
-        _quantize_with_optimum(definition.name, model)
-    return LoadedModel(definition.name, model, tokenizer, device, dtype)
-
-
-def _quantize_with_optimum(name: str, model: PreTrainedModel) -> None:
-    """The ``optimum`` backend: int8 weights through optimum-quanto.
-
-    optimum-quanto is the optimum route that fits our transformers 5 pin
-    (optimum-onnx needs transformers < 4.58, optimum-intel < 5.6). It quarters
-    the weights' memory (fp32 → int8) at some speed cost on CPU; see
-    bench/README.md for the measurement.
-    """
+    reason = supports(model)
+    if reason is not None:
+        raise ModelLoadError(definition.name, f"the engine cannot run this model: {reason}")
+    quantization = resolve_quantization(definition.quantization, device)
     try:
-        from optimum.quanto import freeze, qint8, quantize
-    except ImportError as exc:
-        raise ModelLoadError(name, f"backend 'optimum' needs optimum-quanto: {exc}") from exc
-    quantize(model, weights=qint8)
-    freeze(model)
+        with torch.inference_mode():
+            runtime = LlamaRuntime(model, quantization=quantization)
+    except ValueError as exc:
+        raise ModelLoadError(definition.name, f"quantization: {exc}") from exc
+    return LoadedModel(definition.name, model, tokenizer, device, dtype, runtime, quantization)
 
 
 # -- sources -----------------------------------------------------------------

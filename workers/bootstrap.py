@@ -174,6 +174,7 @@ def _start_engine(
         loaded,
         max_batch_size=definition.limits.max_batch_size,
         max_input_tokens=definition.limits.max_input_tokens,
+        max_step_tokens=definition.limits.max_step_tokens,
     )
     engine.start()
     # Warm-up: a worker is ready only once a real generation went through.

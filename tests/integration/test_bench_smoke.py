@@ -41,6 +41,7 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
         "--subscribers",
         "3",
         "--no-peer",
+        "--no-quality",
         "--database-url",
         migrated.database_url,
         "--redis-url",

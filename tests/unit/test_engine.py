@@ -23,6 +23,7 @@ from models.engine import (
     SamplingParams,
     TokenEvent,
 )
+from models.llama import StepInput
 from models.loader import LoadedModel
 
 MakeEngine = Callable[..., Engine]
@@ -54,15 +55,41 @@ def prompts(engine: Engine, n: int) -> list[list[int]]:
 
 
 def record_batch_sizes(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of sequences in each forward pass (decoding rows plus prefill chunks)."""
     sizes: list[int] = []
-    original = engine._decode_step
+    original = engine.runtime.forward
 
-    def step() -> None:
-        sizes.append(len(engine._batch))
-        original()
+    def forward(step: StepInput, cache: Any) -> torch.Tensor:
+        sizes.append(len(step.decode_slots) + len(step.chunks))
+        return original(step, cache)
 
-    monkeypatch.setattr(engine, "_decode_step", step)
+    monkeypatch.setattr(engine.runtime, "forward", forward)
     return sizes
+
+
+def fail_forward(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, when: Callable[[Any], bool], error: Exception
+) -> list[Any]:
+    """Make a forward pass raise ``error`` whenever ``when(plan)`` holds; return the plans run."""
+    plans: list[Any] = []
+    original_plan, original_forward = engine._plan, engine.runtime.forward
+
+    def plan() -> Any:
+        plans.append(original_plan())
+        return plans[-1]
+
+    def forward(step: StepInput, cache: Any) -> torch.Tensor:
+        if when(plans[-1]):
+            raise error
+        return original_forward(step, cache)
+
+    monkeypatch.setattr(engine, "_plan", plan)
+    monkeypatch.setattr(engine.runtime, "forward", forward)
+    return plans
+
+
+def ids_in(plan: Any, part: str = "seqs") -> list[str]:
+    return [seq.request.request_id for seq in getattr(plan, part)]
 
 
 # -- batching ---------------------------------------------------------------------
@@ -115,13 +142,14 @@ def test_max_batch_size_is_respected_and_waiting_requests_are_served_in_order(
     engine = make_engine(max_batch_size=3)
     sizes = record_batch_sizes(engine, monkeypatch)
     admitted: list[str] = []
-    original = engine._prefill
+    original = engine._admit
 
-    def prefill(seq: Any) -> Any:
-        admitted.append(seq.request.request_id)
-        return original(seq)
+    def admit() -> None:
+        before = set(map(id, engine._running))
+        original()
+        admitted.extend(s.request.request_id for s in engine._running if id(s) not in before)
 
-    monkeypatch.setattr(engine, "_prefill", prefill)
+    monkeypatch.setattr(engine, "_admit", admit)
     ps = prompts(engine, 7)
     handles = [engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(10))) for i, p in enumerate(ps)]
     finishes = [drain(h)[1] for h in handles]
@@ -240,38 +268,30 @@ def test_stop_string_that_never_matches_releases_held_text_at_the_end(
     assert finish.text == full.text == "".join(e.text for e in tokens)
 
 
-class ScriptedModel:
-    """Wraps a model so that one request (batch row 0) produces ``script``, token by token."""
+class ScriptedForward:
+    """Wraps the runtime's forward so that one request (logit row 0) produces ``script``."""
 
-    def __init__(self, model: Any, prompt_len: int, script: list[int]) -> None:
-        self._model = model
+    def __init__(self, forward: Callable[..., torch.Tensor], prompt_len: int, script: list[int]):
+        self._forward = forward
         self._prompt_len = prompt_len
         self._script = script
-        self.config = model.config
-        self.generation_config = model.generation_config
-        self.forward = model.forward
 
-    def get_input_embeddings(self) -> Any:
-        return self._model.get_input_embeddings()
-
-    def __call__(self, *, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        out = self._model(input_ids=input_ids, **kwargs)
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            index = input_ids.shape[1] - self._prompt_len
-        else:
-            index = int(positions[0, -1]) - self._prompt_len + 1
+    def __call__(self, step: StepInput, cache: Any) -> torch.Tensor:
+        logits = self._forward(step, cache)
+        position = int(step.positions[step.logit_rows[0]])
+        index = position - self._prompt_len + 1
         token = self._script[min(index, len(self._script) - 1)]
-        out.logits[0, -1, :] = -1e4
-        out.logits[0, -1, token] = 1e4
-        return out
+        logits[0, :] = -1e4
+        logits[0, token] = 1e4
+        return logits
 
 
 def scripted_engine(
     make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, prompt: list[int], script: list[int]
 ) -> Engine:
     engine = make_engine()
-    monkeypatch.setattr(engine, "model", ScriptedModel(engine.model, len(prompt), script))
+    scripted = ScriptedForward(engine.runtime.forward, len(prompt), script)
+    monkeypatch.setattr(engine.runtime, "forward", scripted)
     return engine
 
 
@@ -427,21 +447,15 @@ def test_a_failing_forward_step_fails_its_requests_and_the_engine_serves_on(
 ) -> None:
     engine = make_engine()
     ps = prompts(engine, 2)
-    real = engine.model
     failures = {"left": 1}
 
-    class Boom:
-        config = real.config
-        generation_config = real.generation_config
+    def decoding_two(plan: Any) -> bool:
+        if plan.decoding == 2 and not plan.prefilling and failures["left"]:
+            failures["left"] -= 1
+            return True
+        return False
 
-        def __call__(self, **kwargs: Any) -> Any:
-            shape = tuple(kwargs["input_ids"].shape)
-            if shape == (2, 1) and failures["left"]:
-                failures["left"] -= 1
-                raise RuntimeError("device fell over")
-            return real(**kwargs)
-
-    monkeypatch.setattr(engine, "model", Boom())
+    fail_forward(engine, monkeypatch, decoding_two, RuntimeError("device fell over"))
     handles = [engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(30))) for i, p in enumerate(ps)]
     finishes = [drain(h)[1] for h in handles]
     assert all(f.finish_reason == "error" for f in finishes), finishes
@@ -455,20 +469,30 @@ def test_a_failing_forward_step_fails_its_requests_and_the_engine_serves_on(
 def test_a_failing_prefill_fails_only_that_request(
     make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A prompt whose prefill raises fails alone, whoever shared its step."""
     engine = make_engine()
-    p = prompts(engine, 1)[0]
-    original = engine._prefill
-
-    def prefill(seq: Any) -> Any:
-        if seq.request.request_id == "bad":
-            raise ValueError("bad prompt")
-        return original(seq)
-
-    monkeypatch.setattr(engine, "_prefill", prefill)
-    good = engine.submit(GenerationRequest("good", p, GREEDY))
-    bad = engine.submit(GenerationRequest("bad", p, GREEDY))
-    assert drain(bad)[1].finish_reason == "error"
-    assert drain(good)[1].finish_reason == "length"
+    ps = prompts(engine, 3)
+    expected = [engine.generate(GenerationRequest("x", p, GREEDY)).text for p in ps]
+    plans = fail_forward(
+        engine,
+        monkeypatch,
+        lambda plan: "bad" in ids_in(plan, "prefilling"),
+        ValueError("bad prompt"),
+    )
+    first = engine.submit(GenerationRequest("good0", ps[0], GREEDY))
+    assert isinstance(first.next_event(timeout=30), TokenEvent)  # decoding when the others come
+    bad = engine.submit(GenerationRequest("bad", ps[1], GREEDY))
+    good = engine.submit(GenerationRequest("good2", ps[2], GREEDY))
+    bad_finish = drain(bad)[1]
+    assert bad_finish.finish_reason == "error" and bad_finish.error == "ValueError: bad prompt"
+    assert drain(good)[1].text == expected[2]
+    assert first.next_event(timeout=30) is not None
+    rest = drain(first)[1]
+    assert rest.finish_reason == "length" and rest.text == expected[0]
+    assert any({"bad", "good2"} <= set(ids_in(p, "prefilling")) for p in plans), (
+        "the two prompts never shared a step"
+    )
+    assert engine.busy_slots == 0
 
 
 # -- validation and prompts --------------------------------------------------------------------
@@ -552,125 +576,170 @@ def test_out_of_memory_halves_the_batch_and_requeued_requests_resume(
     engine = make_engine(max_batch_size=4)
     ps = prompts(engine, 4)
     expected = [engine.generate(GenerationRequest("x", p, GREEDY_N(20))).text for p in ps]
-    real = engine.model
     sizes: list[int] = []
 
-    class TightMemory:
-        config = real.config
-        generation_config = real.generation_config
+    def tight_memory(plan: Any) -> bool:
+        if plan.prefilling:
+            return False
+        sizes.append(plan.decoding)
+        return plan.decoding == 4 and sizes.count(4) == 3
 
-        def __call__(self, **kwargs: Any) -> Any:
-            rows, width = kwargs["input_ids"].shape
-            if width == 1:
-                sizes.append(rows)
-                if rows == 4 and sizes.count(4) == 3:
-                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-            return real(**kwargs)
-
-    monkeypatch.setattr(engine, "model", TightMemory())
+    fail_forward(
+        engine, monkeypatch, tight_memory, torch.cuda.OutOfMemoryError("CUDA out of memory")
+    )
     handles = [engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(20))) for i, p in enumerate(ps)]
     finishes = [drain(h)[1] for h in handles]
     assert [f.finish_reason for f in finishes] == ["length"] * 4
     assert [f.text for f in finishes] == expected
-    assert 2 in sizes[sizes.index(4) :], "the batch was not halved after the error"
-    assert max(sizes[sizes.index(4) + 3 :]) <= 2
+    assert [f.completion_tokens for f in finishes] == [20] * 4
+    after = sizes[sizes.index(4) + 3 :]
+    assert 2 in after, "the batch was not halved after the error"
+    assert max(after) <= 2
 
 
-class FailingCat:
-    """``models.batch``'s torch, whose ``cat`` raises ``error`` on chosen calls (1-based)."""
-
-    def __init__(self, error: BaseException, calls: set[int]) -> None:
-        self.error = error
-        self.calls = calls
-        self.count = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    def cat(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.count += 1
-        if self.count in self.calls:
-            raise self.error
-        return torch.cat(*args, **kwargs)
-
-
-def test_a_merge_that_runs_out_of_memory_half_way_leaves_the_batch_as_it_was(
+def test_out_of_memory_growing_the_cache_puts_requests_back_and_every_request_finishes(
     make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import DynamicCache
-
-    import models.batch
-    from models.batch import Batch
-
-    engine = make_engine()
-    batch: Batch[str] = Batch()
-    for name, p in zip(("a", "b"), prompts(engine, 2), strict=True):
-        ids = torch.tensor([p])
-        cache = DynamicCache(config=engine.model.config)
-        with torch.inference_mode():
-            engine.model(input_ids=ids, use_cache=True, **{engine._cache_kwarg: cache})
-        batch.add(name, cache, len(p))
-    before = [
-        (k.clone(), v.clone()) for k, v in ((layer.keys, layer.values) for layer in batch.layers())
-    ]
-    mask = batch.mask.clone() if batch.mask is not None else None
-    p = prompts(engine, 6)[5]  # longer than both: the merge pads the batch on the left
-    third = DynamicCache(config=engine.model.config)
-    with torch.inference_mode():
-        engine.model(input_ids=torch.tensor([p]), use_cache=True, **{engine._cache_kwarg: third})
-    # Layer 0's keys and values merge, layer 1's values fail.
-    failing = FailingCat(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), {4})
-    monkeypatch.setattr(models.batch, "torch", failing)
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        batch.add("c", third, len(p))
-    assert failing.count == 4
-    assert batch.seqs == ["a", "b"]
-    assert batch.mask is not None and mask is not None and torch.equal(batch.mask, mask)
-    for layer, (k, v) in zip(batch.layers(), before, strict=True):
-        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-    monkeypatch.setattr(models.batch, "torch", torch)
-    batch.add("c", third, len(p))  # and the same merge succeeds once memory is back
-    assert batch.seqs == ["a", "b", "c"] and batch.mask is not None
-    assert batch.mask.shape == (3, len(p)) and batch.layers()[1].keys.shape[0] == 3
-
-
-def test_out_of_memory_while_merging_a_request_puts_it_back_and_every_request_finishes(
-    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found on an H200 (bench/cuda.py): a real OOM in the merge used to lose the request."""
-    import models.batch
-
+    """Found on an H200 (bench/cuda.py): a real OOM while a request joined used to lose it."""
     engine = make_engine(max_batch_size=4)
     ps = prompts(engine, 4)
     expected = [engine.generate(GenerationRequest("x", p, GREEDY_N(20))).text for p in ps]
-    # Each merge into a running batch makes 5 calls (keys and values of 2 layers,
-    # then the mask): r1's merge is calls 1-5, r2's 6-10, r3's 11-15. Call 12
-    # (r3's first values) fails half-way; r3 waits for a slot, then resumes.
-    failing = FailingCat(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)"), {12})
-    monkeypatch.setattr(models.batch, "torch", failing)
+    engine._cache.release()
+    original = engine._cache.ensure
+    calls = {"n": 0}
+
+    def ensure(length: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3 and len(engine._running) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        original(length)
+
+    monkeypatch.setattr(engine._cache, "ensure", ensure)
     handles = [engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(20))) for i, p in enumerate(ps)]
     finishes = [drain(h)[1] for h in handles]
-    assert failing.count >= 12, "the injected error was never reached"
+    assert calls["n"] >= 3, "the injected error was never reached"
     assert [f.finish_reason for f in finishes] == ["length"] * 4, [f.error for f in finishes]
     assert [f.text for f in finishes] == expected
     assert [f.completion_tokens for f in finishes] == [20] * 4
+    assert engine._batch_cap < 4 or engine.busy_slots == 0
 
 
-def test_a_merge_that_fails_otherwise_fails_only_that_request(
-    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+# -- chunked prefill, token budget, resume --------------------------------------------------
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
 ) -> None:
-    import models.batch
+    from models.engine import Engine as EngineClass
 
-    engine = make_engine(max_batch_size=4)
-    ps = prompts(engine, 3)
-    failing = FailingCat(RuntimeError("merge exploded"), {1})
-    first = engine.submit(GenerationRequest("r0", ps[0], GREEDY_N(40)))
-    assert isinstance(first.next_event(timeout=30), TokenEvent)  # r0 runs alone, nothing merged
-    monkeypatch.setattr(models.batch, "torch", failing)
-    rest = [
-        engine.submit(GenerationRequest(f"r{i}", p, GREEDY_N(10))) for i, p in enumerate(ps[1:], 1)
-    ]
-    finishes = [drain(h)[1] for h in (first, *rest)]
-    assert [f.finish_reason for f in finishes] == ["length", "error", "length"]
-    assert finishes[1].error == "RuntimeError: merge exploded"
-    assert engine.busy_slots == 0
+    engine = EngineClass(tiny, max_batch_size=4, max_input_tokens=512, max_step_tokens=16)
+    engine.start()
+    try:
+        short, long = prompts(engine, 1)[0], prompts(engine, 40)[39]
+        assert len(long) > 64
+        alone = [
+            engine.generate(GenerationRequest("a", p, GREEDY_N(30))).text for p in (short, long)
+        ]
+        steps: list[tuple[int, int]] = []
+        original = engine.runtime.forward
+
+        def forward(step: StepInput, cache: Any) -> torch.Tensor:
+            steps.append((len(step.decode_slots), int(step.token_ids.shape[0])))
+            return original(step, cache)
+
+        monkeypatch.setattr(engine.runtime, "forward", forward)
+        first = engine.submit(GenerationRequest("short", short, GREEDY_N(30)))
+        assert isinstance(first.next_event(timeout=30), TokenEvent)
+        second = engine.submit(GenerationRequest("long", long, GREEDY_N(30)))
+        texts = [drain(h)[1].text for h in (first, second)]
+        # (the first event of ``first`` was read above; its finish text holds it all)
+        assert texts == alone
+        assert max(tokens for _, tokens in steps) <= 16
+        mixed = [s for s in steps if s[0] == 1 and s[1] > 1]
+        assert len(mixed) >= len(long) // 16 - 1, (
+            "the long prompt did not share steps with decoding"
+        )
+    finally:
+        engine.stop(timeout=10)
+
+
+def test_a_resumed_greedy_request_ends_as_the_uninterrupted_one(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    p = prompts(engine, 3)[2]
+    tokens, whole = drain(engine.submit(GenerationRequest("whole", p, GREEDY_N(30))))
+    for cut in (1, len(tokens) // 2, len(tokens) - 1):
+        ids = tuple(ids_of(tokens[:cut]))
+        text = "".join(e.text for e in tokens[:cut])
+        rest, finish = drain(
+            engine.submit(GenerationRequest(f"r{cut}", p, GREEDY_N(30), ids, text))
+        )
+        assert finish.text == whole.text
+        assert text + "".join(e.text for e in rest) == whole.text
+        assert ids + tuple(ids_of(rest)) == tuple(ids_of(tokens))
+        assert finish.completion_tokens == whole.completion_tokens == 30
+        assert finish.finish_reason == "length"
+
+
+def test_a_resumed_seeded_request_draws_the_same_tokens(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    p = prompts(engine, 1)[0]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+    tokens, whole = drain(engine.submit(GenerationRequest("whole", p, params)))
+    cut = len(tokens) // 2
+    ids = tuple(ids_of(tokens[:cut]))
+    text = "".join(e.text for e in tokens[:cut])
+    noise = [engine.submit(GenerationRequest(f"n{i}", p, SamplingParams(seed=i))) for i in range(2)]
+    rest, finish = drain(engine.submit(GenerationRequest("resumed", p, params, ids, text)))
+    assert finish.text == whole.text
+    assert ids + tuple(ids_of(rest)) == tuple(ids_of(tokens))
+    for h in noise:
+        drain(h)
+
+
+def test_a_resume_that_already_reached_the_end_finishes_at_once(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    p = prompts(engine, 1)[0]
+    tokens, whole = drain(engine.submit(GenerationRequest("whole", p, GREEDY_N(10))))
+    request = GenerationRequest("done", p, GREEDY_N(10), tuple(ids_of(tokens)), whole.text)
+    rest, finish = drain(engine.submit(request))
+    assert rest == []
+    assert (finish.finish_reason, finish.text, finish.completion_tokens) == (
+        "length",
+        whole.text,
+        10,
+    )
+
+
+def test_a_resumed_tail_held_back_as_a_stop_string_is_still_checked(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
+) -> None:
+    script = tiny.tokenizer("one two three four", add_special_tokens=False)["input_ids"]
+    prompt = prompts(make_engine(start=False), 1)[0]
+    engine = scripted_engine(make_engine, monkeypatch, prompt, script)
+    params = SamplingParams(max_new_tokens=len(script), temperature=0, stop=("two three",))
+    # The earlier attempt emitted "one" and held back " two" (a possible stop string).
+    upto_two = tiny.tokenizer("one two", add_special_tokens=False)["input_ids"]
+    assert script[: len(upto_two)] == upto_two
+    rest, finish = drain(
+        engine.submit(GenerationRequest("held", prompt, params, tuple(upto_two), "one"))
+    )
+    assert (finish.finish_reason, finish.text) == ("stop_sequence", "one ")
+    assert "".join(e.text for e in rest) == " "
+
+
+def test_a_generation_cut_inside_a_character_does_not_end_with_a_replacement_char(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel
+) -> None:
+    script = tiny.tokenizer("안녕하세요 👋🏽", add_special_tokens=False)["input_ids"]
+    prompt = prompts(make_engine(start=False), 1)[0]
+    engine = scripted_engine(make_engine, monkeypatch, prompt, script)
+    cuts = []
+    for n in range(1, len(script) + 1):
+        tokens, finish = drain(engine.submit(GenerationRequest(f"c{n}", prompt, GREEDY_N(n))))
+        assert finish.finish_reason == "length"
+        assert "\ufffd" not in finish.text
+        assert finish.text == "".join(e.text for e in tokens)
+        assert "안녕하세요 👋🏽".startswith(finish.text)
+        cuts.append(finish.text)
+    assert cuts[-1] == "안녕하세요 👋🏽"
+    assert len(set(cuts)) < len(cuts), "no cut fell inside a character"

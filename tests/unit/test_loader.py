@@ -135,16 +135,35 @@ def test_smollm2_from_gguf_answers_paris_and_reloads_from_its_cache(
     assert not hasattr(again.model.config, "quantization_config")
 
 
-def test_optimum_backend_quantizes_weights_and_still_generates(
+def test_int4_weights_hold_q4_1_codes_exactly_and_still_generate(
     catalog: Catalog, model_cache_dir: Path
 ) -> None:
-    from optimum.quanto import QModuleMixin
+    import torch
 
-    base = catalog["tiny-random"]
-    quantized = base.model_copy(update={"backend": "optimum"})
+    from models.quant import GROUP_SIZE, Int4Linear, quantize_int4
+
+    # A weight made the way GGUF Q4_1 makes one: codes 0..15, a half-precision
+    # scale and minimum per block of 32, each block using codes 0 and 15.
+    gen = torch.Generator().manual_seed(0)
+    n, k = 64, 128
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    codes[:, ::GROUP_SIZE], codes[:, 1::GROUP_SIZE] = 0, 15
+    d = (torch.rand(n, k // GROUP_SIZE, generator=gen) / 50).half().float()
+    m = (-torch.rand(n, k // GROUP_SIZE, generator=gen) / 5).half().float()
+    weight = (codes.view(n, -1, GROUP_SIZE) * d[..., None] + m[..., None]).view(n, k)
+    found, scales, zeros = quantize_int4(weight)
+    assert torch.equal(found, codes.int())
+    rebuilt = (found.view(n, -1, GROUP_SIZE) - 8) * scales.t()[..., None] + zeros.t()[..., None]
+    assert torch.allclose(rebuilt.view(n, k), weight, atol=1e-6)
+    x = torch.randn(3, k, generator=gen)
+    layer = Int4Linear(weight)
+    expected = x.bfloat16().float() @ weight.t()
+    assert torch.allclose(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+    quantized = catalog["tiny-random"].model_copy(update={"quantization": "int4"})
     loaded = load_model(quantized, catalog, model_cache_dir)
-    layers = [m for m in loaded.model.modules() if isinstance(m, QModuleMixin)]
-    assert layers, "no layer was quantized"
+    assert loaded.quantization == "int4"
+    assert isinstance(loaded.runtime.layers[0].qkv, Int4Linear)
     engine = Engine(loaded, max_batch_size=2, max_input_tokens=512)
     engine.start()
     try:
@@ -156,3 +175,16 @@ def test_optimum_backend_quantizes_weights_and_still_generates(
         engine.stop()
     assert first.finish_reason in ("length", "eos_token")
     assert first.completion_tokens > 0 and first.text == second.text
+
+
+def test_quantization_auto_is_int4_on_a_cpu_and_none_asked_is_dense(
+    catalog: Catalog, model_cache_dir: Path
+) -> None:
+    from models.quant import DenseLinear
+
+    auto = load_model(
+        catalog["tiny-random"].model_copy(update={"quantization": "auto"}), catalog, model_cache_dir
+    )
+    assert auto.quantization == "int4"
+    dense = load_model(catalog["tiny-random"], catalog, model_cache_dir)
+    assert dense.quantization is None and isinstance(dense.runtime.layers[0].qkv, DenseLinear)

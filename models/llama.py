@@ -1,0 +1,339 @@
+"""A lean forward pass for Llama-shaped models over a flat batch of tokens.
+
+The engine's hot path. One call runs every token of one scheduling step —
+one token for each decoding sequence plus chunks of prompts being prefilled —
+through the model as a single ``[tokens, hidden]`` matrix, so the weights are
+read once per step whatever the mix (vLLM's flattened batch). Attention is the
+only per-sequence part: the decoding rows attend together over their slots of
+the KV cache; each prefill chunk attends over its own slot.
+
+The KV cache is a :class:`SlotCache`: one row ("slot") per running sequence,
+preallocated and grown by doubling, so a sequence joining or leaving copies
+nothing. Weights are repacked once at load: q, k and v fused into one matrix,
+gate and up into another, each a :class:`~models.quant.Linear` (dense or
+4-bit). The residual stream, norms, rotary embedding, attention and the cache
+stay in float32 (or the model's half dtype on a GPU).
+
+Models that are not Llama-shaped (checked by :func:`supports`) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from models.quant import DenseLinear, Int4Linear, Int8Linear, Linear, int4_supported
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+"""``config.model_type`` values whose decoder layers this module reproduces."""
+
+INITIAL_CACHE_LENGTH = 256
+"""Positions per slot the KV cache starts with; it doubles when a sequence outgrows it."""
+
+
+def supports(model: PreTrainedModel) -> str | None:
+    """``None`` if :class:`LlamaRuntime` can run ``model``, else why not."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    if kind not in SUPPORTED_TYPES:
+        return f"model type {kind!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    # Qwen2 configs name a window but use it only when use_sliding_window is set.
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", kind != "qwen2"):
+        return "sliding-window attention is not supported"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"rope type {rope.get('rope_type')!r} changes with the sequence length"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    return None
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens of one sequence prefilled in this step."""
+
+    slot: int
+    start: int  # position of its first token
+    length: int
+
+
+@dataclass
+class StepInput:
+    """Every token of one step: decoding rows first, then prefill chunks in order.
+
+    ``token_ids`` and ``positions`` have one entry per token; the first
+    ``len(decode_slots)`` are decoding rows (one token each, in those slots);
+    the rest are ``chunks`` back to back. ``logit_rows`` indexes the tokens
+    whose next-token logits the step must return.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    decode_slots: list[int]
+    chunks: list[Chunk]
+    logit_rows: list[int]
+
+
+class SlotCache:
+    """Keys and values of every layer, ``[slots, kv_heads, length, head_dim]``.
+
+    A slot belongs to one running sequence; its positions ``0..n-1`` hold
+    that sequence's tokens. ``length`` grows by doubling (a copy of the whole
+    cache, amortized) and never shrinks while the engine runs.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_length: int,
+    ) -> None:
+        self.layers, self.slots = layers, slots
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.max_length = max_length
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def ensure(self, length: int) -> None:
+        """Make room for ``length`` positions per slot (raises on out of memory)."""
+        if length <= self.length:
+            return
+        if length > self.max_length:
+            raise ValueError(f"{length} positions exceed the cache's limit of {self.max_length}")
+        new = max(INITIAL_CACHE_LENGTH, self.length)
+        while new < length:
+            new *= 2
+        new = min(new, self.max_length)
+        shape = (self.slots, self.kv_heads, new, self.head_dim)
+        keys, values = [], []
+        for layer in range(self.layers):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.length:
+                k[:, :, : self.length] = self.keys[layer]
+                v[:, :, : self.length] = self.values[layer]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values, self.length = keys, values, new
+
+    def release(self) -> None:
+        """Drop every tensor (after an out-of-memory error); :meth:`ensure` reallocates."""
+        self.keys, self.values, self.length = [], [], 0
+
+
+class _Layer:
+    def __init__(
+        self,
+        layer: Any,
+        make: Any,
+        residual: torch.dtype,
+    ) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1 = layer.input_layernorm.weight.detach().to(residual)
+        self.norm2 = layer.post_attention_layernorm.weight.detach().to(residual)
+        self.eps1 = float(layer.input_layernorm.variance_epsilon)
+        self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.qkv: Linear = make(qkv)
+        self.qkv_bias: torch.Tensor | None = None
+        if attn.q_proj.bias is not None:
+            self.qkv_bias = (
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                .detach()
+                .to(residual)
+            )
+        self.o: Linear = make(attn.o_proj.weight)
+        self.gate_up: Linear = make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down: Linear = make(mlp.down_proj.weight)
+
+
+class LlamaRuntime:
+    """The weights of a Llama-shaped model repacked for :meth:`forward`.
+
+    ``quantization`` is ``"int4"`` (4-bit weight-only linear layers, see
+    :mod:`models.quant`) or ``None`` (dense in the model's dtype). With int4
+    the output projection — the largest matrix, which sets the decoding speed
+    of a small model, and the one that suffers most from 4 bits — is 8-bit in
+    groups of 32 (:class:`~models.quant.Int8Linear`; GGUF's ``Q8_0``).
+    """
+
+    def __init__(self, model: PreTrainedModel, *, quantization: str | None) -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(reason)
+        config = model.config
+        inner: Any = model.model
+        weight = inner.embed_tokens.weight.detach()
+        self.device = weight.device
+        self.dtype = weight.dtype
+        # float32 keeps the reference's numerics on a CPU; a half dtype on a GPU.
+        self.residual = self.dtype if self.device.type == "cuda" else torch.float32
+        self.quantization = quantization
+        hidden = int(config.hidden_size)
+        if quantization == "int4":
+            if not int4_supported(self.device, hidden):
+                raise ValueError(f"int4 weights are not supported on {self.device} for this shape")
+
+            def make(w: torch.Tensor) -> Linear:
+                return Int4Linear(w)
+
+            def make_head(w: torch.Tensor) -> Linear:
+                if self.device.type == "cpu":
+                    return Int8Linear(w)
+                return DenseLinear(w, self.dtype)
+
+        elif quantization is None:
+
+            def make(w: torch.Tensor) -> Linear:
+                return DenseLinear(w, self.dtype)
+
+            make_head = make
+        else:
+            raise ValueError(f"unknown quantization {quantization!r}")
+        self.embed = weight.to(self.residual)
+        self.layers = [_Layer(layer, make, self.residual) for layer in inner.layers]
+        self.norm = inner.norm.weight.detach().to(self.residual)
+        self.norm_eps = float(inner.norm.variance_epsilon)
+        self.lm_head = make_head(model.get_output_embeddings().weight)
+        self.vocab_size = int(self.lm_head.out_features)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.heads)
+        self.hidden = hidden
+        self.max_positions = int(config.max_position_embeddings)
+        # The rotary tables of every position, from the model's own rotary module.
+        positions = torch.arange(self.max_positions, device=self.device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
+        cos, sin = inner.rotary_emb(probe, positions)
+        self.cos = cos[0].to(self.residual)
+        self.sin = sin[0].to(self.residual)
+        half = self.head_dim // 2
+        rotate = torch.zeros(self.head_dim, self.head_dim, dtype=self.residual)
+        rotate[half:, :half] = -torch.eye(half)  # out[:half] = -x[half:]
+        rotate[:half, half:] = torch.eye(half)  # out[half:] = x[:half]
+        self.rotate = rotate.to(self.device)
+        self.scale = self.head_dim**-0.5
+
+    def new_cache(self, slots: int, max_length: int) -> SlotCache:
+        """An empty KV cache of ``slots`` sequences of up to ``max_length`` positions."""
+        return SlotCache(
+            len(self.layers),
+            slots,
+            self.kv_heads,
+            self.head_dim,
+            self.residual,
+            self.device,
+            min(max_length, self.max_positions),
+        )
+
+    def forward(self, step: StepInput, cache: SlotCache) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(step.logit_rows), vocab]``.
+
+        Writes the keys and values of every token of the step into its slot
+        at its position; the caller has made the cache long enough.
+        """
+        n_decode = len(step.decode_slots)
+        tokens = step.token_ids.shape[0]
+        device = self.device
+        pos = step.positions
+        slots = torch.tensor(
+            [*step.decode_slots, *(c.slot for c in step.chunks for _ in range(c.length))],
+            dtype=torch.long,
+            device=device,
+        )
+        cos = self.cos.index_select(0, pos)[:, None]
+        sin = self.sin.index_select(0, pos)[:, None]
+        decode = _DecodeView(step.decode_slots, step.positions[:n_decode], device)
+        masks = [_chunk_mask(c, device) for c in step.chunks]
+        h_q, h_kv, hd = self.heads, self.kv_heads, self.head_dim
+        n_qk = (h_q + h_kv) * hd
+        x = self.embed.index_select(0, step.token_ids)
+        for index, layer in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            h = F.rms_norm(x, (self.hidden,), layer.norm1, layer.eps1)
+            qkv = layer.qkv(h).to(self.residual)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qk = qkv[:, :n_qk].view(tokens, h_q + h_kv, hd)
+            qk = qk * cos + (qk @ self.rotate) * sin
+            q, k = qk[:, :h_q], qk[:, h_q:]
+            v = qkv[:, n_qk:].view(tokens, h_kv, hd)
+            keys[slots, :, pos] = k
+            values[slots, :, pos] = v
+            out = torch.empty(tokens, h_q, hd, dtype=self.residual, device=device)
+            if n_decode:
+                out[:n_decode] = decode.attend(q[:n_decode], keys, values, self.scale)
+            at = n_decode
+            for chunk, mask in zip(step.chunks, masks, strict=True):
+                end = chunk.start + chunk.length
+                ck = keys[chunk.slot : chunk.slot + 1, :, :end]
+                cv = values[chunk.slot : chunk.slot + 1, :, :end]
+                cq = q[at : at + chunk.length].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    cq, ck, cv, attn_mask=mask, scale=self.scale, enable_gqa=h_q != h_kv
+                )
+                out[at : at + chunk.length] = o[0].transpose(0, 1)
+                at += chunk.length
+            x = x + layer.o(out.view(tokens, h_q * hd))
+            h = F.rms_norm(x, (self.hidden,), layer.norm2, layer.eps2)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        rows = torch.tensor(step.logit_rows, dtype=torch.long, device=device)
+        last = F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.norm_eps)
+        return self.lm_head(last).float()
+
+
+class _DecodeView:
+    """The decoding rows' attention: one query each, over the slots they own."""
+
+    def __init__(self, slots: Sequence[int], positions: torch.Tensor, device: torch.device) -> None:
+        self.n = len(slots)
+        if not self.n:
+            return
+        self.width = int(positions.max()) + 1
+        # Rows in slots 0..n-1 in order use the cache as it is; otherwise the
+        # queries are scattered into slot order and gathered back.
+        self.span = max(slots) + 1
+        self.direct = list(slots) == list(range(self.n))
+        self.index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        lengths = torch.zeros(self.span, dtype=torch.long, device=device)
+        lengths[self.index] = positions + 1
+        columns = torch.arange(self.width, device=device)
+        self.mask = (columns[None] < lengths[:, None])[:, None, None]
+        if not self.direct:
+            self.mask[:, :, :, 0] = True  # idle slots attend somewhere; their output is dropped
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        k = keys[: self.span, :, : self.width]
+        v = values[: self.span, :, : self.width]
+        if self.direct:
+            queries = q[:, :, None]
+        else:
+            queries = q.new_zeros(self.span, q.shape[1], 1, q.shape[2])
+            queries[self.index] = q[:, :, None]
+        o = F.scaled_dot_product_attention(
+            queries, k, v, attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        o = o[:, :, 0]
+        return o if self.direct else o.index_select(0, self.index)
+
+
+def _chunk_mask(chunk: Chunk, device: torch.device) -> torch.Tensor:
+    """Causal mask of a chunk over its slot: token ``i`` sees positions ``<= start + i``."""
+    end = chunk.start + chunk.length
+    rows = torch.arange(chunk.start, end, device=device)[:, None]
+    return torch.arange(end, device=device)[None] <= rows

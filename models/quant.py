@@ -1,0 +1,161 @@
+"""Weight formats for the engine's linear layers: dense, and 4-bit weight-only.
+
+:class:`Int4Linear` stores a weight as 4-bit codes in groups of 32 along the
+input dimension, each group with a scale and a zero point (asymmetric,
+``w = (q - 8) * scale + zero``), and multiplies with PyTorch's own int4 kernels
+(``_weight_int4pack_mm_for_cpu`` on the CPU, the tinygemm kernel on CUDA: the
+kernels torchao's int4 weight-only layouts call). Activations enter the kernel
+in bfloat16 and accumulate in float32.
+
+Quantizing is round-to-nearest over each group's own minimum and maximum.
+A weight that came from a GGUF ``Q4_1`` tensor (blocks of 32 values
+``q * d + m``, ``q`` in 0..15) is found again code for code: the block's
+minimum is ``m`` and its maximum ``15 d + m``, so the codes and the affine map
+are those of the file; only the scale and zero point are rounded to bfloat16,
+which the kernel requires.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZE = 32
+"""Input features sharing one scale and zero point (GGUF's Q4_0/Q4_1 block)."""
+
+INT4_MAX_ROWS = 8
+"""Rows (tokens) up to which the int4 kernel runs; above, a bfloat16 copy of the same
+quantized weight does. PyTorch's int4 CPU kernel dequantizes per row: measured here
+(one thread, 3072x576), it takes 98/171/337/671 us at 1/4/8/16 rows against
+143/176/236/361 us for a bfloat16 matmul (bench/README.md)."""
+
+
+class Linear(Protocol):
+    """``y = x @ W.T`` for ``x`` of shape ``[tokens, in_features]``."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    """A plain weight in ``dtype``; the input is cast to it."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def int4_supported(device: torch.device, in_features: int) -> bool:
+    """Whether :class:`Int4Linear` can hold a weight with ``in_features`` inputs on ``device``."""
+    if in_features % GROUP_SIZE:
+        return False
+    if device.type == "cuda":
+        return in_features % 1024 == 0 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
+
+
+class Int4Linear:
+    """A weight quantized to 4 bits in groups of :data:`GROUP_SIZE`, asymmetric.
+
+    Decoding steps of up to :data:`INT4_MAX_ROWS` tokens multiply with the
+    int4 kernel; larger steps (batched decoding, prefill) with a bfloat16
+    copy of the dequantized weight, which the CPU's bf16 matmul serves faster
+    at those sizes. On CUDA the int4 kernel serves every size.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        self.device = weight.device
+        if not int4_supported(self.device, self.in_features):
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}")
+        codes, scales, zeros = quantize_int4(weight)
+        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)
+        if self.device.type == "cuda":
+            # tinygemm packs two codes a byte, in tiles; it takes uint8 [N, K/2].
+            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.dense: torch.Tensor | None = None
+        if self.device.type == "cpu":
+            sz = self.scales_and_zeros.float()
+            groups = (codes.view(self.out_features, -1, GROUP_SIZE) - 8).float()
+            rebuilt = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+            self.dense = rebuilt.view(self.out_features, self.in_features).to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.dense is not None and x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense)
+        if self.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(
+                x, self.packed, GROUP_SIZE, self.scales_and_zeros
+            )
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+        )
+
+
+class Int8Linear:
+    """A weight quantized to 8 bits in groups of :data:`GROUP_SIZE`, symmetric (GGUF ``Q8_0``).
+
+    PyTorch has no grouped int8 kernel, so each code ``c`` in -128..127 is
+    split into two 4-bit halves, ``c + 128 = 16 hi + lo``, and the product is
+    two int4 matmuls: ``16 d (hi - 8)`` and ``d (lo - 8) + 8 d``, which sum
+    to ``d c``. A ``Q8_0`` weight (the default model's tied embedding and
+    output layer) is found again code for code. Above :data:`INT4_MAX_ROWS`
+    rows a bfloat16 copy serves, as for :class:`Int4Linear`. CPU only.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        if weight.device.type != "cpu" or self.in_features % GROUP_SIZE:
+            raise ValueError(f"int8 weights need a CPU and in_features divisible by {GROUP_SIZE}")
+        n, k = weight.shape
+        groups = weight.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        scale = groups.abs().amax(-1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(groups / scale[..., None]).clamp_(-128, 127).to(torch.int32) + 128
+        hi, lo = (codes >> 4).view(n, k), (codes & 15).view(n, k)
+        self.hi = torch.ops.aten._convert_weight_to_int4pack_for_cpu(hi.contiguous(), 1)
+        self.lo = torch.ops.aten._convert_weight_to_int4pack_for_cpu(lo.contiguous(), 1)
+        d = scale.t().contiguous()
+        self.hi_sz = torch.stack([16 * d, torch.zeros_like(d)], -1).to(torch.bfloat16)
+        self.lo_sz = torch.stack([d, 8 * d], -1).to(torch.bfloat16)
+        rebuilt = (codes - 128).float() * scale[..., None]
+        self.dense = rebuilt.view(n, k).to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        high = mm(x, self.hi, GROUP_SIZE, self.hi_sz).float()
+        return high.add_(mm(x, self.lo, GROUP_SIZE, self.lo_sz))
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K]`` (int32, 0..15), scales and zeros ``[K/32, N]`` of ``weight``.
+
+    ``weight ≈ (codes - 8) * scale + zero`` per group of 32 inputs, with the
+    group's minimum at code 0 and its maximum at code 15.
+    """
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    low = groups.amin(-1)
+    high = groups.amax(-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15)
+    codes = codes.to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale
+    return codes, scale.t().contiguous(), zero.t().contiguous()
