@@ -256,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = load_settings()
     catalog = load_catalog(settings.models_dir)
     started = time.perf_counter()
-    loaded = load_model(catalog[args.model], catalog, Path(settings.state_dir) / "models")
+    cache = Path(settings.state_dir) / "models"
+    loaded = load_model(catalog[args.model], catalog, cache, keep_weights=args.compare)
     print(
         f"loaded {args.model} in {time.perf_counter() - started:.1f}s "
         f"({loaded.device}, {loaded.dtype}, torch threads {torch.get_num_threads()})"
@@ -272,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.compare:
         single = rows[0]["tokens_per_s"]
-        copy = load_model(catalog[args.model], catalog, Path(settings.state_dir) / "models")
+        copy = load_model(catalog[args.model], catalog, cache, keep_weights=True)
         alternatives = run_alternatives(
             loaded, copy, max_new_tokens=args.max_new_tokens, prompts=PROMPTS[: args.prompts]
         )

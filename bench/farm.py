@@ -775,7 +775,7 @@ def quality_phase(args: argparse.Namespace, settings: Settings) -> list[QualityR
     definition = catalog[args.model].model_copy(
         update={"dtype": "float32", "quantization": "none", "device": "cpu"}
     )
-    loaded = load_model(definition, catalog, settings.state_dir / "models")
+    loaded = load_model(definition, catalog, settings.state_dir / "models", keep_weights=True)
     return measure_quality(loaded.model, loaded.tokenizer)
 
 

@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     definition = catalog[args.model].model_copy(
         update={"dtype": "float32", "quantization": "none", "device": "cpu"}
     )
-    loaded = load_model(definition, catalog, settings.state_dir / "models")
+    loaded = load_model(definition, catalog, settings.state_dir / "models", keep_weights=True)
     rows = measure_quality(loaded.model, loaded.tokenizer)
     print(quality_table(rows))
     for what, target, measured, ok in quality_targets(rows):

@@ -61,7 +61,7 @@ class LoadedModel:
 
     ``runtime`` holds the weights the engine runs (repacked, maybe 4-bit:
     ``quantization``); ``model`` keeps the configuration and generation
-    settings.
+    settings (its weights are released unless the load kept them).
     """
 
     name: str
@@ -94,12 +94,17 @@ def resolve_quantization(spec: str, device: torch.device) -> str | None:
     return None if spec == "none" else spec
 
 
-def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -> LoadedModel:
+def load_model(
+    definition: ModelDefinition, catalog: Catalog, cache_dir: Path, *, keep_weights: bool = False
+) -> LoadedModel:
     """Load ``definition`` into memory; raise :class:`ModelLoadError` if it cannot be.
 
     ``catalog`` resolves a random model's ``tokenizer_from``; ``cache_dir`` holds
     converted copies (created if missing). The call is slow (it loads weights)
-    and is meant to run once per worker process.
+    and is meant to run once per worker process. Once the engine's runtime
+    holds its own (repacked) weights, the transformers model's are released
+    (moved to the meta device) unless ``keep_weights``: benchmarks that also
+    run transformers itself, or rebuild the runtime in other formats, keep them.
     """
     device = resolve_device(definition.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -129,6 +134,8 @@ def load_model(definition: ModelDefinition, catalog: Catalog, cache_dir: Path) -
             runtime = LlamaRuntime(model, quantization=quantization)
     except ValueError as exc:
         raise ModelLoadError(definition.name, f"quantization: {exc}") from exc
+    if not keep_weights:
+        model.to_empty(device="meta")  # the runtime keeps what it uses; the rest is freed
     return LoadedModel(definition.name, model, tokenizer, device, dtype, runtime, quantization)
 
 

@@ -41,8 +41,10 @@ def test_tiny_random_model_is_ready_and_built_from_its_seed(
     rng = torch.get_rng_state()
     again = load_model(catalog["tiny-random"], catalog, model_cache_dir)
     assert torch.equal(torch.get_rng_state(), rng), "loading reseeded the caller's RNG"
-    for a, b in zip(tiny.model.parameters(), again.model.parameters(), strict=True):
-        assert torch.equal(a, b)
+    assert torch.equal(tiny.runtime.embed, again.runtime.embed)
+    for a, b in zip(tiny.runtime.layers, again.runtime.layers, strict=True):
+        assert torch.equal(a.gate_up.weight, b.gate_up.weight)  # type: ignore[attr-defined]
+    assert all(p.device.type == "meta" for p in tiny.model.parameters()), "weights kept twice"
 
 
 def test_auto_device_and_dtype_on_this_machine() -> None:

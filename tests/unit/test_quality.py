@@ -21,7 +21,7 @@ def test_int4_keeps_perplexity_and_greedy_answers_of_the_reference(
     definition = catalog["smollm2-135m"].model_copy(
         update={"dtype": "float32", "quantization": "none", "device": "cpu"}
     )
-    loaded = load_model(definition, catalog, model_cache_dir)
+    loaded = load_model(definition, catalog, model_cache_dir, keep_weights=True)
     reference, bf16, int4 = measure_quality(loaded.model, loaded.tokenizer)
     table = quality_table([reference, bf16, int4])
     assert abs(int4.ppl_change) <= PPL_TOLERANCE, table
