@@ -141,8 +141,8 @@ class _Layer:
         residual: torch.dtype,
     ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.detach().to(residual)
-        self.norm2 = layer.post_attention_layernorm.weight.detach().to(residual)
+        self.norm1 = layer.input_layernorm.weight.detach().to(residual, copy=True)
+        self.norm2 = layer.post_attention_layernorm.weight.detach().to(residual, copy=True)
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -152,7 +152,7 @@ class _Layer:
             self.qkv_bias = (
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
                 .detach()
-                .to(residual)
+                .to(residual, copy=True)
             )
         self.o: Linear = make(attn.o_proj.weight)
         self.gate_up: Linear = make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
@@ -202,9 +202,11 @@ class LlamaRuntime:
             make_head = make
         else:
             raise ValueError(f"unknown quantization {quantization!r}")
-        self.embed = weight.to(self.residual)
+        # Copies of their own, never views of the checkpoint's memory map (which
+        # would keep the whole file resident once the model's weights are released).
+        self.embed = weight.to(self.residual, copy=True)
         self.layers = [_Layer(layer, make, self.residual) for layer in inner.layers]
-        self.norm = inner.norm.weight.detach().to(self.residual)
+        self.norm = inner.norm.weight.detach().to(self.residual, copy=True)
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = make_head(model.get_output_embeddings().weight)
         self.vocab_size = int(self.lm_head.out_features)

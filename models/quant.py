@@ -45,7 +45,8 @@ class DenseLinear:
     """A plain weight in ``dtype``; the input is cast to it."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.weight = weight.detach().to(dtype).contiguous()
+        # A copy of its own: the source may be a memory map of the checkpoint.
+        self.weight = weight.detach().to(dtype, copy=True).contiguous()
         self.out_features, self.in_features = self.weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
