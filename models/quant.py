@@ -3,8 +3,8 @@
 :class:`Int4Linear` stores a weight as 4-bit codes in groups of 32 along the
 input dimension, each group with a scale and a zero point (asymmetric,
 ``w = (q - 8) * scale + zero``), and multiplies with PyTorch's own int4 kernels
-(``_weight_int4pack_mm_for_cpu`` on the CPU, the tinygemm kernel on CUDA: the
-kernels torchao's int4 weight-only layouts call). Activations enter the kernel
+(``_weight_int4pack_mm_for_cpu``: the kernel torchao's int4 weight-only CPU
+layout calls). Activations enter the kernel
 in bfloat16 and accumulate in float32.
 
 Quantizing is round-to-nearest over each group's own minimum and maximum.
@@ -27,9 +27,10 @@ GROUP_SIZE = 32
 
 INT4_MAX_ROWS = 8
 """Rows (tokens) up to which the int4 kernel runs; above, a bfloat16 copy of the same
-quantized weight does. PyTorch's int4 CPU kernel dequantizes per row: measured here
-(one thread, 3072x576), it takes 98/171/337/671 us at 1/4/8/16 rows against
-143/176/236/361 us for a bfloat16 matmul (bench/README.md)."""
+quantized weight does. PyTorch's int4 CPU kernel costs about the same per row at any
+batch (one thread, 3072x576: 98/171/337/671 us at 1/4/8/16 rows) while a bfloat16
+matmul grows slowly (143/176/236/361 us); whole decoding steps of SmolLM2-135M were
+fastest with the switch above 8 rows (bench/README.md)."""
 
 
 class Linear(Protocol):
@@ -55,11 +56,9 @@ class DenseLinear:
 
 def int4_supported(device: torch.device, in_features: int) -> bool:
     """Whether :class:`Int4Linear` can hold a weight with ``in_features`` inputs on ``device``."""
-    if in_features % GROUP_SIZE:
-        return False
-    if device.type == "cuda":
-        return in_features % 1024 == 0 and torch.cuda.get_device_capability(device) >= (8, 0)
-    return device.type == "cpu"
+    # CPU only for now: the CUDA tinygemm kernel takes another packing, not
+    # yet checked on a GPU (the CUDA path runs dense bfloat16).
+    return device.type == "cpu" and in_features % GROUP_SIZE == 0
 
 
 class Int4Linear:
@@ -68,7 +67,7 @@ class Int4Linear:
     Decoding steps of up to :data:`INT4_MAX_ROWS` tokens multiply with the
     int4 kernel; larger steps (batched decoding, prefill) with a bfloat16
     copy of the dequantized weight, which the CPU's bf16 matmul serves faster
-    at those sizes. On CUDA the int4 kernel serves every size.
+    at those sizes.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -79,27 +78,16 @@ class Int4Linear:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}")
         codes, scales, zeros = quantize_int4(weight)
         self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)
-        if self.device.type == "cuda":
-            # tinygemm packs two codes a byte, in tiles; it takes uint8 [N, K/2].
-            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self.dense: torch.Tensor | None = None
-        if self.device.type == "cpu":
-            sz = self.scales_and_zeros.float()
-            groups = (codes.view(self.out_features, -1, GROUP_SIZE) - 8).float()
-            rebuilt = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-            self.dense = rebuilt.view(self.out_features, self.in_features).to(torch.bfloat16)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        sz = self.scales_and_zeros.float()
+        groups = (codes.view(self.out_features, -1, GROUP_SIZE) - 8).float()
+        rebuilt = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        self.dense = rebuilt.view(self.out_features, self.in_features).to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        if self.dense is not None and x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x, self.dense)
-        if self.device.type == "cuda":
-            return torch.ops.aten._weight_int4pack_mm(
-                x, self.packed, GROUP_SIZE, self.scales_and_zeros
-            )
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP_SIZE, self.scales_and_zeros
         )
