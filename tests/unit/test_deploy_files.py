@@ -193,9 +193,7 @@ def test_dockerignore_keeps_local_state_out() -> None:
 
 @pytest.mark.parametrize("path", list(_dockerfiles()), ids=lambda p: p.name)
 def test_dockerfile_rules(path: Path) -> None:
-    lines = [
-        line.strip() for line in re.sub(r"\\\n\s*", " ", path.read_text()).splitlines()
-    ]
+    lines = [line.strip() for line in re.sub(r"\\\n\s*", " ", path.read_text()).splitlines()]
     words = [line.partition(" ") for line in lines if line and not line.startswith("#")]
     bases = [rest.split()[0] for word, _, rest in words if word == "FROM"]
     assert bases and all(_pinned(b) for b in bases), f"{path.name}: unpinned base {bases}"
@@ -270,7 +268,9 @@ def test_kubernetes_hardening() -> None:
 
 
 def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:
-    policies = {d["metadata"]["name"]: d for _, d in _k8s_documents() if d["kind"] == "NetworkPolicy"}
+    policies = {
+        d["metadata"]["name"]: d for _, d in _k8s_documents() if d["kind"] == "NetworkPolicy"
+    }
     assert any(p["spec"]["podSelector"] == {} for p in policies.values()), "no default deny"
     for component, port in (("redis", 6379), ("postgres", 5432)):
         chosen = [
