@@ -3,7 +3,9 @@
 * **Start**: ``workers.launcher.worker_command(model)``, in a session of its
   own (a Ctrl-C reaches the scaler, which then drains its workers in order).
   When GPUs are listed (``CUDA_VISIBLE_DEVICES``) each replica gets one of
-  them, and a model cannot have more replicas than there are free GPUs.
+  them, and a model cannot have more replicas than there are free GPUs. The
+  host runs at most ``max_local_replicas`` worker processes in all (draining
+  ones count: they still hold memory).
 * **Drain**: scale-down sends SIGTERM, which is Celery's warm shutdown: the
   worker stops consuming, finishes its running jobs, then exits. Only a worker
   still alive ``drain_grace_s`` later is killed. The replicas drained first
@@ -198,6 +200,15 @@ class LocalExecutor:
                 break
 
     def _start(self, model: str) -> bool:
+        running = sum(len(rs) for rs in self._replicas.values())
+        if running >= self.settings.max_local_replicas:
+            log.warning(
+                "not starting another %s worker: %d worker processes run on this host, the "
+                "limit (max_local_replicas)",
+                model,
+                running,
+            )
+            return False
         env = dict(self.env)
         gpu = None
         if self.gpus:
