@@ -23,6 +23,7 @@ from api import (
     openai,
     openapi,
     operations,
+    origins,
     scaling,
     tgi,
     tokenizer,
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         hub=RelayHub(client, events, settings),
         celery=configure(settings),
     )
+    origins.init_app(app)  # before any route: a refused origin runs nothing
     sock.init_app(app)
     for blueprint in (health.bp, catalog.bp, jobs.bp):
         app.register_blueprint(blueprint)

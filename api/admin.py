@@ -66,10 +66,17 @@ class TokenCreate(_Body):
             raise ValueError("give at most one of 'expires_in_s' and 'expires_at'")
         return self
 
-    def expiry(self) -> datetime | None:
+    def expiry(self, default_ttl_days: float) -> datetime | None:
+        """The expiry asked for; without one, ``default_ttl_days`` from now.
+
+        ``"expires_at": null`` sent explicitly asks for a token that never
+        expires (as does a default of 0 days).
+        """
         if self.expires_in_s is not None:
             return utcnow() + timedelta(seconds=self.expires_in_s)
-        return self.expires_at
+        if self.expires_at is not None or "expires_at" in self.model_fields_set:
+            return self.expires_at
+        return utcnow() + timedelta(days=default_ttl_days) if default_ttl_days else None
 
 
 class TokenQuery(_Body):
@@ -168,7 +175,7 @@ def update_user(name: str) -> Response:
 def create_token(name: str) -> tuple[Response, int]:
     require_role(*ADMIN)
     body = parse(TokenCreate, json_body())
-    expiry = body.expiry()
+    expiry = body.expiry(services().settings.token_ttl_days)
     if expiry is not None and expiry <= utcnow():
         raise ValidationFailed("expires_at: must be in the future", field="expires_at")
     try:

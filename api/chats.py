@@ -24,6 +24,7 @@ from flask import Blueprint, Response, jsonify
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import require_principal
+from api.disclosure import public_error
 from api.errors import NotFound, ValidationFailed
 from api.jobs import served_model
 from api.openapi import spec
@@ -99,7 +100,7 @@ def turn_view(turn: ChatTurn) -> dict[str, Any]:
         view["job"] = {
             "status": turn.job_status,
             "finish_reason": turn.finish_reason,
-            "error": turn.error,
+            "error": public_error(turn.error),  # chats are users' own: no operator view
             "queue_position": turn.queue_position,
         }
     return view

@@ -64,6 +64,11 @@ class Conflict(ApiError):
     error_type = "conflict"
 
 
+class UnsupportedMediaType(ApiError):
+    status = 415
+    error_type = "unsupported_media_type"
+
+
 class ValidationFailed(ApiError):
     status = 422
     error_type = "validation_error"

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
 
 from api.auth import client_address, optional_principal, require_principal
+from api.disclosure import event_for, public_error, sees_internals
 from api.errors import (
     ApiError,
     BadRequest,
@@ -69,8 +70,12 @@ def _iso(value: Any) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def job_view(job: Job) -> dict[str, Any]:
-    """The public JSON shape of a job."""
+def job_view(job: Job, full: bool = False) -> dict[str, Any]:
+    """The public JSON shape of a job; ``full`` (operators) adds the internals.
+
+    Without ``full`` the error is the client's version (api/disclosure.py) and
+    the worker that ran the job is not named.
+    """
     return {
         "id": job.id,
         "model": job.model,
@@ -81,9 +86,9 @@ def job_view(job: Job) -> dict[str, Any]:
             "prompt_tokens": job.prompt_tokens,
             "completion_tokens": job.completion_tokens,
         },
-        "error": job.error,
+        "error": job.error if full else public_error(job.error),
         "attempts": job.attempts,
-        "worker": job.worker,
+        "worker": job.worker if full else None,
         "params": job.params,
         "timestamps": {
             "queued": _iso(job.created_at),
@@ -379,9 +384,17 @@ def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
 
 
 def follow_job(
-    job: Job, after: int = -1, *, idle_s: float, watch: LagWatch | None = None
+    job: Job,
+    after: int = -1,
+    *,
+    idle_s: float,
+    watch: LagWatch | None = None,
+    full: bool = False,
 ) -> Generator[JobEvent | None, None, None]:
     """Every event of ``job`` after seq ``after``, ending after the final one.
+
+    Without ``full`` (operators' streams) events lose their internals: worker
+    names and the text of errors not worded for clients (api/disclosure.py).
 
     Yields None after each ``idle_s`` of silence, so a caller can send a
     keep-alive (which is also how a vanished client is noticed); expires the
@@ -396,6 +409,13 @@ def follow_job(
     has ended gives the final event (:func:`final_from_record`), so no reader
     waits for an event that will never come.
     """
+    for event in _follow(job, after, idle_s=idle_s, watch=watch):
+        yield event if event is None else event_for(event, full)
+
+
+def _follow(
+    job: Job, after: int, *, idle_s: float, watch: LagWatch | None
+) -> Generator[JobEvent | None, None, None]:
     ended_before = JobStatus(job.status).final
     if ended_before and services().events.last_seq(job.id) < 0:
         yield final_from_record(job, after + 1)  # its stream expired (or was lost)
@@ -500,7 +520,7 @@ def list_jobs() -> Response:
     return jsonify(
         {
             "object": "list",
-            "data": [job_view(j) for j in page],
+            "data": [job_view(j, sees_internals(principal)) for j in page],
             "has_more": has_more,
             "next_before": page[-1].id if has_more and page else None,
         }
@@ -510,8 +530,9 @@ def list_jobs() -> Response:
 @bp.get("/v1/jobs/<job_id>")
 @spec("A job's state and result", tags=("jobs",))
 def get_job(job_id: str) -> Response:
-    job = visible_job(job_id, optional_principal())
-    return jsonify(job_view(job))
+    principal = optional_principal()
+    job = visible_job(job_id, principal)
+    return jsonify(job_view(job, sees_internals(principal)))
 
 
 @bp.delete("/v1/jobs/<job_id>")
@@ -526,9 +547,10 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
     job = visible_job(job_id, principal)
     result = cancel(job_id)
     job = svc.jobs.get(job_id) or job
+    full = sees_internals(principal)
     if result == "cancel_requested":
-        return jsonify({**job_view(job), "cancel_requested": True}), 202
-    return jsonify(job_view(job)), 200
+        return jsonify({**job_view(job, full), "cancel_requested": True}), 202
+    return jsonify(job_view(job, full)), 200
 
 
 def _after_param(raw: str | None) -> int:
@@ -551,10 +573,13 @@ def _after_param(raw: str | None) -> int:
 )
 def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
-    job = visible_job(job_id, optional_principal(allow_query=True))
+    principal = optional_principal(allow_query=True)
+    job = visible_job(job_id, principal)
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
     settings = services().settings
-    events = follow_job(job, after, idle_s=settings.stream_keepalive_s)
+    events = follow_job(
+        job, after, idle_s=settings.stream_keepalive_s, full=sees_internals(principal)
+    )
 
     def generate() -> Iterator[str]:
         try:
@@ -580,7 +605,8 @@ def job_socket(ws: Any, job_id: str) -> None:
     job is quiet (queued), so its thread is not held until the job ends.
     """
     try:
-        job = visible_job(job_id, optional_principal(allow_query=True))
+        principal = optional_principal(allow_query=True)
+        job = visible_job(job_id, principal)
         after = _after_param(request.args.get("after"))
     except ApiError as exc:
         ws.send(json.dumps({"type": "error", **exc.body(), "status": exc.status}))
@@ -593,7 +619,10 @@ def job_socket(ws: Any, job_id: str) -> None:
     timeout_s = settings.ws_send_timeout_s
     watch = LagWatch()
     try:
-        for event in follow_job(job, after, idle_s=settings.stream_keepalive_s, watch=watch):
+        full = sees_internals(principal)
+        for event in follow_job(
+            job, after, idle_s=settings.stream_keepalive_s, watch=watch, full=full
+        ):
             if event is None:
                 if not ws.connected:  # gone (or closed for a too big message) meanwhile
                     return

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from simple_websocket import ConnectionClosed
 
 from api.auth import optional_principal
+from api.disclosure import sees_internals
 from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
 from api.jobs import cancel, follow_job, submit_job
 from api.limits import RateLimited
@@ -292,7 +293,8 @@ class Session:
     def _forward(self, req: _Request, position: int) -> bool:
         """Relay the job's events; True after its final event, False when the socket closed."""
         started = False
-        for event in follow_job(req.job, idle_s=POSITION_POLL_S, watch=self.watch):
+        full = sees_internals(self.principal)
+        for event in follow_job(req.job, idle_s=POSITION_POLL_S, watch=self.watch, full=full):
             if self.closed.is_set():
                 return False
             if event is None:

@@ -9,7 +9,7 @@ from typing import Any, Literal, TypeVar
 from flask import request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from api.errors import BadRequest, ValidationFailed
+from api.errors import BadRequest, UnsupportedMediaType, ValidationFailed
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
@@ -89,11 +89,28 @@ class JobRequest(_Body):
         return self
 
 
+def is_json_type(mimetype: str) -> bool:
+    """``application/json`` or a ``+json`` type of it (parameters already stripped)."""
+    return mimetype == "application/json" or (
+        mimetype.startswith("application/") and mimetype.endswith("+json")
+    )
+
+
 def json_body() -> Any:
-    """The request's JSON body; 400 when it is not JSON or not UTF-8."""
+    """The request's JSON body; 400 when it is not JSON or not UTF-8.
+
+    A body must say it is JSON (``Content-Type: application/json``), else 415:
+    a web page can make its visitors' browsers send a ``text/plain`` or form
+    body to any site without asking first, but not a JSON one.
+    """
     raw = request.get_data(cache=True)
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
+    if not is_json_type(request.mimetype):
+        given = request.mimetype or "none"
+        raise UnsupportedMediaType(
+            f"the request body must be sent with 'Content-Type: application/json' (got {given})"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -250,6 +250,25 @@ class Settings(BaseModel):
             "comma-separated); empty: workers get no GPU assignment."
         ),
     )
+    max_replicas_per_model: int = Field(
+        default=64,
+        ge=1,
+        le=10_000,
+        description=(
+            "Most replicas one model may be given, in processes or pods: a manual count, a "
+            "max_replicas or a window above it is refused (422), and the scaler never asks "
+            "for more, whatever a model definition says."
+        ),
+    )
+    max_local_replicas: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description=(
+            "Most worker processes the local executor runs on this host, all models and "
+            "draining ones together; past it a model gets fewer replicas than asked (logged)."
+        ),
+    )
     k8s_namespace: str = Field(
         default="switchyard",
         description="Kubernetes namespace of the worker Deployments (kubernetes executor).",
@@ -325,6 +344,35 @@ class Settings(BaseModel):
     admin_requests_per_minute: int = Field(
         default=0, ge=0, description="Generation requests per minute per admin; 0: no limit."
     )
+    token_ttl_days: float = Field(
+        default=90.0,
+        ge=0,
+        le=3650,
+        description=(
+            "Days a new API token lives when its creator gives no expiry (CLI `token create`, "
+            "POST /v1/admin/users/<name>/tokens); 0: new tokens never expire by default."
+        ),
+    )
+    first_token_ttl_h: float = Field(
+        default=24.0,
+        gt=0,
+        le=24 * 365,
+        description=(
+            "Hours the admin token printed at the first `switchyard run` lives: long enough to "
+            "create named tokens with it, not a credential to keep."
+        ),
+    )
+    allowed_origins: str = Field(
+        default="",
+        max_length=4096,
+        pattern=r"^\s*(\*|(https?://[A-Za-z0-9.\-\[\]:]+\s*(,\s*https?://[A-Za-z0-9.\-\[\]:]+\s*)*))?\s*$",
+        description=(
+            "Browser origins besides the API's own that may use it: open websockets, and read "
+            "answers (CORS), comma-separated (https://chat.example.com); '*' any origin; "
+            "empty: same origin only. Requests from other origins that change state, and "
+            "their websockets, are refused (403)."
+        ),
+    )
     metrics_token_required: bool = Field(
         default=False,
         description=(
@@ -352,6 +400,12 @@ class Settings(BaseModel):
     def key(self, *parts: str) -> str:
         """A Redis key under this deployment's prefix."""
         return ":".join((self.redis_prefix, *parts))
+
+    def origins(self) -> frozenset[str]:
+        """The allowed origins besides the API's own, normalised (no trailing slash)."""
+        return frozenset(
+            o.strip().rstrip("/").lower() for o in self.allowed_origins.split(",") if o.strip()
+        )
 
 
 _UNPREFIXED = {

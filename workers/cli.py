@@ -69,9 +69,13 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     accounts = Accounts(Database(_settings().database_url))
     if accounts.user_id(args.user) is None:
         raise SystemExit(f"switchyard: no user {args.user!r}")
-    expires = datetime.now(UTC) + timedelta(days=args.days) if args.days else None
+    days = _settings().token_ttl_days if args.days is None else args.days
+    expires = datetime.now(UTC) + timedelta(days=days) if days else None
     issued = accounts.issue_token(args.user, name=args.name, expires_at=expires)
     print(issued.secret)
+    # On stderr: the secret alone stays on stdout for scripts that capture it.
+    when = f"expires {expires:%Y-%m-%d %H:%M} UTC" if expires else "never expires"
+    print(f"token {issued.token_id} for {args.user} {when}", file=sys.stderr)
     return 0
 
 
@@ -168,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = tokens.add_parser("create", help="issue a token for a user (printed once)")
     p.add_argument("--user", required=True)
     p.add_argument("--name", default="")
-    p.add_argument("--days", type=int, default=0, help="expire after N days (0: never)")
+    p.add_argument(
+        "--days",
+        type=float,
+        default=None,
+        help="expire after N days (0: never; default SWITCHYARD_TOKEN_TTL_DAYS, 90)",
+    )
     p.set_defaults(func=_cmd_token_create)
 
     from workers.account_commands import register as register_accounts

@@ -129,12 +129,24 @@ class ScalingControls:
 
     # --- changes ----------------------------------------------------------------------
 
+    def _within_bound(self, field: str, value: int | None) -> None:
+        """PolicyError when ``value`` passes the farm's ceiling per model."""
+        bound = self.settings.max_replicas_per_model
+        if value is not None and value > bound:
+            raise PolicyError(
+                field,
+                f"{value} is above the farm's limit of {bound} replicas per model "
+                "(SWITCHYARD_MAX_REPLICAS_PER_MODEL)",
+            )
+
     def update_policy(self, model: str, changes: dict[str, Any], actor: str) -> dict[str, Any]:
         """Set tunables (None restores the definition's); PolicyError if inconsistent."""
         d = self.definition(model)
         for name in changes:
             if name not in OVERRIDE_FIELDS:
                 raise PolicyError(name, "not a scaling tunable")
+        for name in ("min_replicas", "max_replicas"):
+            self._within_bound(name, changes.get(name))
         override = self.store.override(model)
         merged = {n: getattr(override, n) if override else None for n in OVERRIDE_FIELDS}
         merged.update(changes)
@@ -153,6 +165,7 @@ class ScalingControls:
         policy = policy_for(d.scaling, self.store.override(model), [])
         if replicas < 0:
             raise PolicyError("replicas", "must not be negative")
+        self._within_bound("replicas", replicas)
         if replicas > policy.max_replicas:
             raise PolicyError(
                 "replicas",
@@ -185,6 +198,8 @@ class ScalingControls:
     ) -> dict[str, Any]:
         """Add a run-time window; ScheduleError names the bad field."""
         self.definition(model)
+        self._within_bound("min_replicas", min_replicas)
+        self._within_bound("max_replicas", max_replicas)
         w = validated_window(cron, timezone, min_replicas, max_replicas)
         row = self.store.add_window(
             model,

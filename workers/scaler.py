@@ -337,9 +337,19 @@ class Scaler:
             else:
                 log.debug("%s: %d replicas (%s)", model, decision.desired, decision.detail)
         self.state.remember({m: d.memory for m, d in decisions.items()})
+        bound = self.settings.max_replicas_per_model
         for model, decision in decisions.items():
+            desired = decision.desired
+            if desired > bound:  # a model definition's max_replicas above the farm's ceiling
+                log.warning(
+                    "%s: %d replicas asked, %d at most (max_replicas_per_model)",
+                    model,
+                    desired,
+                    bound,
+                )
+                desired = bound
             try:
-                self.executor.apply(model, decision.desired)
+                self.executor.apply(model, desired)
             except ExecutorError as exc:
                 log.error("%s: %s; retrying next tick", model, exc)
         return Tick(now, decisions)

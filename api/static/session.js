@@ -1,6 +1,7 @@
 // The signed-in session shared by the chat and operator pages: where the API
 // token is kept, how the API is called, and how its errors are put into words.
-// The token lives in the browser's storage and travels only in headers (or the
+// The token lives in the browser's session storage (gone when the tab closes) unless
+// the user ticks "Remember on this device"; it travels only in headers (or the
 // websocket's subprotocol) — never in a URL, where logs and history keep it.
 "use strict";
 

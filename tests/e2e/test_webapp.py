@@ -131,6 +131,14 @@ def test_wrong_token_shows_the_error(page: Any) -> None:
     shot(page, "sign-in-error.png")
 
 
+def test_the_token_is_kept_for_the_session_unless_remembered(page: Any, user_token: str) -> None:
+    sign_in(page, user_token)
+    expect(page.get_by_label("Message", exact=True)).to_be_visible()
+    assert page.evaluate("sessionStorage.getItem('switchyard.token')") == user_token
+    assert page.evaluate("localStorage.getItem('switchyard.token')") is None
+    assert not page.get_by_label("Remember on this device").is_checked()
+
+
 def test_chat_streams_then_reopens_after_reload(page: Any, farm_url: str, user_token: str) -> None:
     sign_in(page, user_token)
     page.get_by_label("Model").select_option("tiny-random")

@@ -55,8 +55,10 @@ def job_status(api_url: str, token: str, job_id: str, final: bool = True) -> dic
 
 
 def test_two_concurrent_requests_and_a_cancel_on_one_socket(
-    api_url: str, token: str, tiny_worker: farm.Process
+    api_url: str, migrated: Settings, tiny_worker: farm.Process
 ) -> None:
+    # An operator's socket: the worker a job runs on is shown to operators only.
+    token = farm.make_token(migrated, "operator", max_concurrent_jobs=0, requests_per_minute=0)
     ws = connect(api_url, token)
     try:
         ws.send(json.dumps({"type": "ping"}))

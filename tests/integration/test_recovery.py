@@ -140,7 +140,8 @@ def test_kill_9_mid_job_restarts_it_on_another_worker_and_the_stream_stays_whole
     events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
     # Long enough (~15 s here) that the kill lands mid-generation on a faster machine too.
     job_id = submit(api_url, user_token, max_new_tokens=800)
-    reader, frames = stream_in_background(api_url, job_id, user_token)
+    # An admin's stream and view: worker names are for operators (api/disclosure.py).
+    reader, frames = stream_in_background(api_url, job_id, admin_token)
 
     victim = wait_for("the job to run", lambda: running_on(api_url, admin_token, job_id, 1))
     wait_for("its first tokens", lambda: tokens_after_last_restart(events, job_id) >= 2)
@@ -163,7 +164,7 @@ def test_kill_9_mid_job_restarts_it_on_another_worker_and_the_stream_stays_whole
     second_text = "".join(e["text"] for e in stream[restart:] if e["type"] == "token")
     assert stream[-1]["text"] == second_text
 
-    job = wait_final(api_url, user_token, job_id)
+    job = wait_final(api_url, admin_token, job_id)
     assert job["status"] == "succeeded"
     assert job["attempts"] == 2
     assert job["worker"] == survivor
@@ -261,7 +262,7 @@ def test_sigterm_lets_a_running_job_finish_within_the_grace_period(
     proc = workers.procs[worker]
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.proc.wait(timeout=60) == 0, proc.log()[-3000:]
-    job = wait_final(api_url, user_token, job_id)
+    job = wait_final(api_url, admin_token, job_id)
     assert job["status"] == "succeeded" and job["attempts"] == 1 and job["worker"] == worker
     assert job["usage"]["completion_tokens"] == 120
     types = [e["type"] for e in farm.ws_events(api_url, job_id, user_token)]
@@ -284,13 +285,13 @@ def test_sigterm_past_the_grace_period_requeues_the_job_which_completes_elsewher
     proc.proc.send_signal(signal.SIGTERM)
     assert proc.proc.wait(timeout=60) == 0, proc.log()[-3000:]
 
-    queued = get_job(api_url, user_token, job_id)
+    queued = get_job(api_url, admin_token, job_id)
     assert queued["status"] == "queued" and queued["worker"] is None
     restart = [e for e in events.history(job_id) if e.type == "restart"]
     assert len(restart) == 1 and restart[0].fields["reason"] == "worker draining"
 
     other = workers.start()
-    job = wait_final(api_url, user_token, job_id)
+    job = wait_final(api_url, admin_token, job_id)
     assert job["status"] == "succeeded" and job["worker"] == other
     assert job["attempts"] == 1  # a drain gives its attempt back
     stream = farm.ws_events(api_url, job_id, user_token)

@@ -26,6 +26,13 @@ OTHER_VARIABLES = {
     "DEBIAN_FRONTEND",
     "HF_HUB_OFFLINE",
     "PATH",
+    "HOME",
+    "HF_HOME",
+    "PYTHONDONTWRITEBYTECODE",
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "NVIDIA_VISIBLE_DEVICES",
+    "NVIDIA_DRIVER_CAPABILITIES",
+    "REDISCLI_AUTH",
     "POSTGRES_USER",
     "POSTGRES_PASSWORD",
     "POSTGRES_DB",
@@ -130,7 +137,9 @@ def test_compose_services() -> None:
         if "build" in service:
             assert (DOCKER.parent / service["build"]["dockerfile"]).exists()
         _check_env(list(service.get("environment", {})), f"compose {name}")
-    assert services["api"]["ports"] == [f"{Settings().api_port}:{Settings().api_port}"]
+    port = Settings().api_port
+    # Published on loopback unless the operator says otherwise (docker/.env).
+    assert services["api"]["ports"] == [f"${{PUBLISH_ADDRESS:-127.0.0.1}}:{port}:{port}"]
 
 
 def _k8s_documents() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -156,3 +165,125 @@ def test_kubernetes_manifests() -> None:
             _check_env([e["name"] for e in container.get("env", [])], where)
             for port in container.get("ports", []):
                 assert port["containerPort"] == Settings().api_port, where
+
+
+# --- the hardening rules (issue 16) ---------------------------------------------------------
+
+PINNED_IMAGE = re.compile(r"^[\w./-]+:(?!latest$)[\w.-]*\d[\w.-]*(@sha256:[0-9a-f]{64})?$")
+
+
+def _pinned(image: str) -> bool:
+    """A tag that names a version (a digit in it), never ``latest`` nor none."""
+    return bool(PINNED_IMAGE.match(image))
+
+
+def test_pinned_image_rule() -> None:
+    assert _pinned("python:3.11.14-slim-bookworm") and _pinned("switchyard-api:0.1.0")
+    assert not _pinned("switchyard-api:latest") and not _pinned("redis") and not _pinned("x:slim")
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    entries = {
+        line.strip().rstrip("/")
+        for line in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert {".git", ".venv", ".switchyard", ".env"} <= entries
+
+
+@pytest.mark.parametrize("path", list(_dockerfiles()), ids=lambda p: p.name)
+def test_dockerfile_rules(path: Path) -> None:
+    lines = [line.strip() for line in re.sub(r"\\\n\s*", " ", path.read_text()).splitlines()]
+    words = [line.partition(" ") for line in lines if line and not line.startswith("#")]
+    bases = [rest.split()[0] for word, _, rest in words if word == "FROM"]
+    assert bases and all(_pinned(b) for b in bases), f"{path.name}: unpinned base {bases}"
+    users = [rest.strip() for word, _, rest in words if word == "USER"]
+    assert users, f"{path.name}: runs as root (no USER)"
+    user = users[-1].split(":")[0]
+    assert user.isdigit() and int(user) != 0, f"{path.name}: USER {users[-1]} (numeric, not 0)"
+    # USER comes before what the container runs, after what the build installs.
+    order = [word for word, _, _ in words]
+    assert order.index("USER") > max(i for i, w in enumerate(order) if w in ("RUN", "COPY"))
+    assert "HEALTHCHECK" in order, f"{path.name}: no HEALTHCHECK"
+
+
+def test_compose_hardening() -> None:
+    text = (DOCKER / "compose.yml").read_text()
+    services = yaml.safe_load(text)["services"]
+    for name, service in services.items():
+        assert _pinned(service["image"]), f"compose {name}: image {service.get('image')}"
+        if "build" in service:  # ours: no root, no capabilities, nothing written outside volumes
+            assert service["read_only"] is True, name
+            assert service["cap_drop"] == ["ALL"], name
+            assert "no-new-privileges:true" in service["security_opt"], name
+    # Secrets come from docker/.env (make docker/.env), never from the file itself.
+    postgres_password = services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert postgres_password.startswith("${POSTGRES_PASSWORD:?"), postgres_password
+    redis_cmd = services["redis"]["command"]
+    assert "--requirepass" in redis_cmd
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    anchors = yaml.safe_load(text)["x-env"]
+    assert "${POSTGRES_PASSWORD" in anchors["DATABASE_URL"]
+    assert anchors["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
+    for name, service in services.items():
+        for published in service.get("ports", []):
+            assert published.startswith("${PUBLISH_ADDRESS:-127.0.0.1}:"), f"{name}: {published}"
+    makefile = (PROJECT_ROOT / "Makefile").read_text()
+    assert "\ndocker/.env:" in makefile and "umask 077" in makefile
+    assert "docker/.env" in (PROJECT_ROOT / ".gitignore").read_text()
+
+
+def _pod_specs() -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    for name, doc in _k8s_documents():
+        spec = doc.get("spec", {}).get("template", {}).get("spec")
+        if spec is not None:
+            yield f"{name} {doc['metadata']['name']}", doc, spec
+
+
+def test_kubernetes_hardening() -> None:
+    pods = list(_pod_specs())
+    assert pods
+    for where, _doc, spec in pods:
+        pod_context = spec.get("securityContext", {})
+        assert pod_context.get("runAsNonRoot") is True, where
+        assert pod_context.get("runAsUser", 0) != 0, where
+        # Only a pod with a service account of its own (with a Role) gets the token.
+        if "serviceAccountName" in spec:
+            assert spec.get("automountServiceAccountToken") is True, where
+        else:
+            assert spec.get("automountServiceAccountToken") is False, where
+        mounts_needed = {"/tmp"}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            at = f"{where}/{container['name']}"
+            assert _pinned(container["image"]), f"{at}: image {container['image']}"
+            context = container.get("securityContext", {})
+            assert context.get("readOnlyRootFilesystem") is True, at
+            assert context.get("allowPrivilegeEscalation") is False, at
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], at
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            assert mounts_needed <= set(mounts), f"{at}: a read-only root needs /tmp writable"
+            for volume in mounts.values():
+                assert "emptyDir" in volumes[volume] or "persistentVolumeClaim" in volumes[volume]
+
+
+def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:
+    policies = {
+        d["metadata"]["name"]: d for _, d in _k8s_documents() if d["kind"] == "NetworkPolicy"
+    }
+    assert any(p["spec"]["podSelector"] == {} for p in policies.values()), "no default deny"
+    for component, port in (("redis", 6379), ("postgres", 5432)):
+        chosen = [
+            p
+            for p in policies.values()
+            if p["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
+            == component
+        ]
+        assert chosen, f"no NetworkPolicy for {component}"
+        for rule in chosen[0]["spec"]["ingress"]:
+            assert [p["port"] for p in rule["ports"]] == [port]
+            sources = rule["from"]
+            assert sources, f"{component}: open to every pod"
+            assert {"matchLabels": {"app.kubernetes.io/name": "switchyard"}} in [
+                s.get("podSelector") for s in sources if "namespaceSelector" not in s
+            ]

@@ -3,7 +3,9 @@
 * **Start**: ``workers.launcher.worker_command(model)``, in a session of its
   own (a Ctrl-C reaches the scaler, which then drains its workers in order).
   When GPUs are listed (``CUDA_VISIBLE_DEVICES``) each replica gets one of
-  them, and a model cannot have more replicas than there are free GPUs.
+  them, and a model cannot have more replicas than there are free GPUs. The
+  host runs at most ``max_local_replicas`` worker processes in all (draining
+  ones count: they still hold memory).
 * **Drain**: scale-down sends SIGTERM, which is Celery's warm shutdown: the
   worker stops consuming, finishes its running jobs, then exits. Only a worker
   still alive ``drain_grace_s`` later is killed. The replicas drained first
@@ -29,13 +31,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -48,31 +48,9 @@ from config import Settings
 from config.settings import PROJECT_ROOT
 from workers.heartbeat import list_workers
 from workers.launcher import worker_command
+from workers.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
-
-# prctl(2) option: the signal a process gets when the thread that forked it dies.
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` giving the child SIGTERM when this process dies; None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        # Runs in the child between fork and exec: nothing here may take a lock.
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: too late for prctl
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
 
 @dataclass
 class Replica:
@@ -198,6 +176,15 @@ class LocalExecutor:
                 break
 
     def _start(self, model: str) -> bool:
+        running = sum(len(rs) for rs in self._replicas.values())
+        if running >= self.settings.max_local_replicas:
+            log.warning(
+                "not starting another %s worker: %d worker processes run on this host, the "
+                "limit (max_local_replicas)",
+                model,
+                running,
+            )
+            return False
         env = dict(self.env)
         gpu = None
         if self.gpus:
