@@ -82,6 +82,13 @@ class RandomSource(_Strict):
     num_hidden_layers: int = Field(default=2, ge=1)
     num_attention_heads: int = Field(default=4, ge=1)
     num_key_value_heads: int = Field(default=2, ge=1)
+    step_delay_ms: float = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="Time each engine step takes at least: a test model with a set pace, "
+        "so fault tests catch jobs mid-flight however fast the engine is.",
+    )
 
 
 Source = Annotated[GGUFSource | LocalSource | HubSource | RandomSource, Field(discriminator="kind")]

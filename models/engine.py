@@ -603,6 +603,8 @@ class Engine:
         except Exception as exc:  # shared: decide who pays for it
             self._step_failed(plan, exc)
             return
+        if self.loaded.step_delay_s:
+            time.sleep(self.loaded.step_delay_s)  # a paced test model
         for seq, n in zip(plan.seqs, plan.counts, strict=True):
             seq.computed += n
         self._suspects.difference_update(plan.prefilling)

@@ -71,6 +71,7 @@ class LoadedModel:
     dtype: torch.dtype
     runtime: LlamaRuntime
     quantization: str | None
+    step_delay_s: float = 0.0  # a paced test model (RandomSource.step_delay_ms)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -136,7 +137,10 @@ def load_model(
         raise ModelLoadError(definition.name, f"quantization: {exc}") from exc
     if not keep_weights:
         model.to_empty(device="meta")  # the runtime keeps what it uses; the rest is freed
-    return LoadedModel(definition.name, model, tokenizer, device, dtype, runtime, quantization)
+    pace = source.step_delay_ms / 1000 if isinstance(source, RandomSource) else 0.0
+    return LoadedModel(
+        definition.name, model, tokenizer, device, dtype, runtime, quantization, pace
+    )
 
 
 # -- sources -----------------------------------------------------------------

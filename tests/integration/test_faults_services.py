@@ -43,6 +43,7 @@ from tests import farm
 from workers.heartbeat import list_workers
 
 MODEL = "tiny-faults"  # tiny-random with 2 batch slots, so a few jobs fill a worker
+STEP_DELAY_MS = 10  # its pace: about 100 tokens a second per job
 CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]
 REPORT_DIR = PROJECT_ROOT / ".switchyard" / "reports"
 FINAL = ("succeeded", "failed", "cancelled")
@@ -203,6 +204,8 @@ def farm_settings(base: Settings, folder: Path, **changes: Any) -> Settings:
     models = folder / "models"
     shutil.copytree(base.models_dir, models)
     tiny = (models / "tiny-random.yaml").read_text().replace("name: tiny-random", f"name: {MODEL}")
+    # A paced model: jobs last long enough to meet the outages whatever the engine's speed.
+    tiny = tiny.replace("step_delay_ms: 2\n", f"step_delay_ms: {STEP_DELAY_MS}\n")
     (models / f"{MODEL}.yaml").write_text(tiny.replace("max_batch_size: 8", "max_batch_size: 2"))
     return base.model_copy(
         update={
