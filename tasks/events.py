@@ -16,7 +16,7 @@ import redis
 
 from config import Settings
 
-EventType = Literal["queued", "started", "token", "restart", "done", "error"]
+EventType = Literal["queued", "started", "token", "resumed", "restart", "done", "error"]
 FINAL_TYPES: frozenset[str] = frozenset({"done", "error"})
 _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
@@ -49,6 +49,46 @@ class JobEvent:
         seq = int(data.pop("seq"))
         kind = str(data.pop("type"))
         return cls(seq=seq, type=kind, fields=data)
+
+
+@dataclass(frozen=True)
+class StreamedOutput:
+    """What a job's stream has delivered so far: the output a next attempt continues.
+
+    ``ids`` and ``text`` are the token events' ids and text since the last
+    ``restart`` (a restart starts the output again). ``whole`` is false when
+    the history does not begin at seq 0 (it expired or Redis lost it) or a
+    token event carries no ids: then what clients saw is not known exactly
+    and the output cannot be continued. ``attempts`` counts ``started`` events.
+    """
+
+    ids: tuple[int, ...] = ()
+    text: str = ""
+    whole: bool = True
+    attempts: int = 0
+    last_worker: str | None = None
+
+    @classmethod
+    def of(cls, history: list[JobEvent]) -> StreamedOutput:
+        ids: list[int] = []
+        text: list[str] = []
+        whole = bool(history) and history[0].seq == 0
+        attempts = 0
+        worker: str | None = None
+        for event in history:
+            if event.type == "started":
+                attempts += 1
+                worker = str(event.fields.get("worker") or "") or None
+            elif event.type == "restart":
+                ids, text = [], []
+            elif event.type == "token":
+                got = event.fields.get("ids")
+                if not isinstance(got, list):
+                    whole = False
+                else:
+                    ids.extend(int(i) for i in got)
+                text.append(event.text)
+        return cls(tuple(ids), "".join(text), whole, attempts, worker)
 
 
 class EventLog:
