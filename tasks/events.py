@@ -91,6 +91,26 @@ class StreamedOutput:
         return cls(tuple(ids), "".join(text), whole, attempts, worker)
 
 
+class StreamTaken(Exception):
+    """A fenced write was refused: another attempt of the job owns its stream now."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: its stream belongs to a later attempt")
+        self.job_id = job_id
+
+
+# KEYS: owner key, stream key; ARGV: owner token, ttl, then the JSON payloads.
+_FENCED_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for i = 3, #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
+  redis.call('PUBLISH', KEYS[2], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class EventLog:
     """Append to and read from job event streams in one Redis."""
 
@@ -117,6 +137,28 @@ class EventLog:
             pipe.publish(key, payload)
         pipe.expire(key, self.settings.stream_ttl_s)
         pipe.execute()
+
+    def owner_key(self, job_id: str) -> str:
+        return self.settings.key("owner", job_id)
+
+    def take(self, job_id: str, owner: str) -> None:
+        """Make ``owner`` (one attempt of the job) the only fenced writer of its stream.
+
+        Called by a worker right after it claims the job and before it reads
+        the history: a write of an earlier attempt that was still on its way
+        lands before this (and is in the history read after it) or is refused.
+        """
+        self.redis.set(self.owner_key(job_id), owner, ex=self.settings.stream_ttl_s)
+
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None:
+        """:meth:`append`, only while ``owner`` holds the stream; else :class:`StreamTaken`."""
+        if not events:
+            return
+        payloads = [e.to_json() for e in events]
+        keys = [self.owner_key(job_id), self.channel(job_id)]
+        args: list[str | int] = [owner, self.settings.stream_ttl_s, *payloads]
+        if not self.redis.eval(_FENCED_APPEND, 2, *keys, *args):
+            raise StreamTaken(job_id)
 
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
         """Every stored event with ``seq > after``, in order, each seq once.

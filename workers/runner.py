@@ -17,6 +17,12 @@ continuing is impossible, a ``restart`` event (``reason``) says the output
 starts again: prompt plus output exceed the model's input limit, or the
 stream's history is incomplete (expired, or lost with Redis).
 
+Fencing: right after the claim, the attempt takes the stream
+(:meth:`EventLog.take`) before it reads the history, and writes only while it
+holds it. A worker taken for lost while it still runs (a long pause) can then
+neither add tokens the next attempt did not carry over nor interleave with
+it: its write is refused (:class:`StreamTaken`) and it drops the job.
+
 Draining (the worker was told to stop): :meth:`JobRunner.drain` sets a
 deadline (``worker_grace_s``, 0 by default: at once); jobs still generating
 then are cancelled and put back in the queue (``running → queued`` only if
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -54,7 +61,7 @@ from models.engine import (
     TokenEvent,
 )
 from tasks import metrics as m
-from tasks.events import EventLog, JobEvent, StreamedOutput
+from tasks.events import EventLog, JobEvent, StreamedOutput, StreamTaken
 from tasks.metrics import MetricsBatch, MetricsStore
 
 log = logging.getLogger(__name__)
@@ -113,6 +120,7 @@ class _Stream:
     events: EventLog
     job_id: str
     next_seq: int
+    owner: str | None = None  # this attempt's fence token (see EventLog.take)
     pending: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_since: float = 0.0
@@ -142,7 +150,17 @@ class _Stream:
     def _write(self, events: list[JobEvent]) -> None:
         # A write that half-happened before an error repeats a seq, which every
         # reader skips.
-        retry_redis(self.job_id, "publish events", lambda: self.events.append(self.job_id, events))
+        if self.owner is None:
+            retry_redis(
+                self.job_id, "publish events", lambda: self.events.append(self.job_id, events)
+            )
+            return
+        owner = self.owner
+        retry_redis(
+            self.job_id,
+            "publish events",
+            lambda: self.events.append_fenced(self.job_id, events, owner),
+        )
 
 
 class JobRunner:
@@ -209,12 +227,20 @@ class JobRunner:
             self._active.add(job_id)
         try:
             self._record_start(job)
+            # Fence first, then read: an earlier attempt's late write is either
+            # in this history or refused, never after it (StreamTaken).
+            owner = f"{self.worker_id}/{uuid.uuid4().hex}"
+            retry_redis(job_id, "take its stream", lambda: self.events.take(job_id, owner))
             history = retry_redis(job_id, "read its stream", lambda: self.events.history(job_id))
             next_seq = max(history[-1].seq + 1 if history else 0, 1)
-            stream = _Stream(self.events, job_id, next_seq)
+            stream = _Stream(self.events, job_id, next_seq, owner=owner)
             stream.emit("started", attempt=job.attempts, worker=self.worker_id)
             try:
                 self._generate(job, stream, StreamedOutput.of(history))
+            except StreamTaken:
+                # Re-queued while this worker still ran it (it looked lost): the
+                # next attempt owns the job; stop here, writing nothing.
+                log.warning("job %s was taken over by a later attempt; dropped here", job_id)
             except Exception as exc:  # the job fails; the worker keeps serving
                 log.exception("job %s failed", job_id)
                 self._fail(job, stream, f"{type(exc).__name__}: {exc}")
@@ -323,7 +349,14 @@ class JobRunner:
         if isinstance(submitted, FinishEvent):
             self._finish(job, stream, submitted, None, False)
             return
-        handle = submitted
+        try:
+            self._follow(job, stream, submitted)
+        except BaseException:  # the engine must not generate on for nobody
+            submitted.cancel()
+            raise
+
+    def _follow(self, job: Job, stream: _Stream, handle: RequestHandle) -> None:
+        """Publish ``handle``'s events until it finishes, then record the outcome."""
         coalesce_s = self.settings.stream_coalesce_ms / 1000
         deadline = time.monotonic() + self.settings.job_timeout_s
         next_cancel_check = time.monotonic() + CANCEL_POLL_S

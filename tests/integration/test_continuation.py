@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -293,3 +294,21 @@ def test_an_answer_that_cannot_continue_ends_the_openai_stream_with_an_error(
     # What the client got is the first attempt's text, never a second copy.
     first = "".join(e.text for e in history[: types.index("restart")] if e.type == "token")
     assert text and first.startswith(text)
+
+
+def test_a_later_attempt_fences_off_an_earlier_one_still_writing(migrated: Settings) -> None:
+    """A worker taken for lost but still running cannot write after the next attempt
+    read the stream: its write lands before (and is carried over) or is refused."""
+    from tasks.events import JobEvent, StreamTaken
+
+    events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
+    job_id = f"fence-{time.time_ns()}"
+    first = JobEvent(0, "token", {"text": "a", "ids": [1]})
+    events.take(job_id, "attempt-1")
+    events.append_fenced(job_id, [first], "attempt-1")
+    events.take(job_id, "attempt-2")
+    with pytest.raises(StreamTaken):
+        events.append_fenced(job_id, [JobEvent(1, "token", {"text": "b", "ids": [2]})], "attempt-1")
+    second = JobEvent(1, "started", {"attempt": 2, "worker": "w2"})
+    events.append_fenced(job_id, [second], "attempt-2")
+    assert events.history(job_id) == [first, second]
