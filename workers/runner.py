@@ -14,7 +14,7 @@ prefills prompt plus output and continues with the remaining budget. The
 attempt begins with ``started`` then ``resumed`` (``attempt``, ``worker``,
 ``tokens`` carried over, ``previous_worker``); clients see one answer. When
 continuing is impossible, a ``restart`` event (``reason``) says the output
-starts again: prompt plus output exceed the model's input limit, or the
+starts again: prompt plus output do not fit the engine's context, or the
 stream's history is incomplete (expired, or lost with Redis).
 
 Fencing: right after the claim, the attempt takes the stream
@@ -308,8 +308,8 @@ class JobRunner:
             )
         except PromptTooLong as exc:
             reason = (
-                f"prompt plus output ({exc.n_tokens} tokens) exceed the model's input "
-                f"limit of {exc.limit}"
+                f"prompt plus output ({exc.n_tokens} tokens) exceed the model's limit "
+                f"of {exc.limit}"
             )
             self._restart(job, stream, reason)
             return self.engine.submit(fresh)
