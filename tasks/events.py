@@ -100,8 +100,12 @@ class StreamTaken(Exception):
 
 
 # KEYS: owner key, stream key; ARGV: owner token, ttl, then the JSON payloads.
+# A missing owner key (Redis restarted without persistence) is taken again:
+# the writer that finds it first holds the stream, as the claim says it should.
 _FENCED_APPEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 for i = 3, #ARGV do
   redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
   redis.call('PUBLISH', KEYS[2], ARGV[i])
