@@ -21,6 +21,7 @@ $(VENV)/.installed: $(BIN)/activate requirements.txt requirements-api.txt pyproj
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps "text-generation>=0.7"  # see requirements-dev.txt
 	@touch $@
 
 install: $(VENV)/.installed

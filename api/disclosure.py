@@ -29,7 +29,7 @@ PUBLIC_ERROR = re.compile(
 )
 GENERIC_ERROR = "the worker failed to generate an answer (an operator can see the details)"
 # Event fields naming the worker process (host:pid).
-WORKER_FIELDS = ("worker",)
+WORKER_FIELDS = ("worker", "previous_worker")
 
 
 def sees_internals(principal: Principal | None) -> bool:

@@ -448,6 +448,12 @@ def _follow(
                 watch.discard(sub)
 
 
+def restart_error(fields: dict[str, Any]) -> str:
+    """The error a stream that cannot take text back ends with, on a ``restart`` event."""
+    reason = str(fields.get("reason") or "unknown reason")
+    return f"the answer could not be continued after its worker was lost ({reason})"
+
+
 def final_event(job: Job, *, idle_s: float) -> JobEvent:
     """Wait for ``job``'s ``done`` event; :class:`JobFailed` on an ``error`` event."""
     for event in follow_job(job, idle_s=idle_s):

@@ -13,7 +13,9 @@ Server frames, each tagged with the request's ``id``: ``queued`` (with
 again whenever the position changes while the job waits), then the job's
 events with the same fields as on ``/v1/jobs/<id>/ws`` plus ``id`` and
 ``job_id``: ``started`` (``attempt``, ``worker``), ``token`` (``text``),
-``restart`` (``reason``, ``attempt``, ``worker``), ``done`` (``finish_reason``,
+``resumed`` (``attempt``, ``worker``, ``tokens``, ``previous_worker``: the
+answer continues after a lost worker), ``restart`` (``reason``, ``attempt``,
+``worker``: it starts again), ``done`` (``finish_reason``,
 ``text``, ``usage``, ``timings``) and ``error`` (``error``, ``error_type``,
 ``status``, ``field``; a 429 also has ``retry_after``). A malformed frame is
 answered with an ``error`` frame, the socket stays open.

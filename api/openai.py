@@ -4,6 +4,10 @@ Each request is an ordinary job (:func:`api.jobs.submit_job`): a row, a Celery
 message, a Redis stream. A streaming answer relays the job's events as
 ``chat.completion.chunk`` / ``text_completion`` chunks, ends with
 ``data: [DONE]``, and adds a usage chunk when ``stream_options.include_usage``.
+A job whose worker is lost continues on the next one from the tokens already
+sent, so the stream carries one copy of each token (``resumed`` events are not
+relayed); when it cannot continue (a ``restart`` event after text was sent),
+the stream ends with an error chunk rather than send the answer again.
 If the client goes away mid-stream its job is cancelled (noticed on the next
 write: a token, or a keep-alive comment every ``stream_keepalive_s``), and so
 is the job of a client that stops reading: a write it does not take within
@@ -36,6 +40,7 @@ from api.jobs import (
     final_event,
     follow_job,
     idempotency_key_header,
+    restart_error,
     submit_job,
 )
 from api.openapi import spec
@@ -271,6 +276,19 @@ def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _error_chunk(message: str) -> str:
+    return _data(
+        {
+            "error": {
+                "message": message,
+                "type": "server_error",
+                "param": None,
+                "code": "generation_error",
+            }
+        }
+    )
+
+
 def _stream(
     job: Job,
     body: ChatCompletionRequest | CompletionRequest,
@@ -281,6 +299,7 @@ def _stream(
     keepalive = services().settings.stream_keepalive_s
     include_usage = body.include_usage()
     ended = False
+    sent = False
     try:
         if first is not None:
             yield first
@@ -288,24 +307,19 @@ def _stream(
             if event is None:
                 yield ": keep-alive\n\n"
             elif event.type == "token" and event.text:
+                sent = True
                 yield chunk(event.text, None)
+            elif event.type == "restart" and sent:
+                # Text cannot be taken back: end here rather than send it twice.
+                yield _error_chunk(restart_error(event.fields))
+                break
             elif event.type == "done":
                 yield chunk("", _finish_reason(event.fields))
                 if include_usage:
                     yield chunk(None, None, usage=_usage(event.fields))
                 ended = True
             elif event.type == "error":
-                error = str(event.fields.get("error") or "error")
-                yield _data(
-                    {
-                        "error": {
-                            "message": error,
-                            "type": "server_error",
-                            "param": None,
-                            "code": "generation_error",
-                        }
-                    }
-                )
+                yield _error_chunk(str(event.fields.get("error") or "error"))
                 ended = True
         yield "data: [DONE]\n\n"
     finally:

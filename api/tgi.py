@@ -5,14 +5,23 @@ is what ``huggingface_hub.InferenceClient(model=<url>)`` posts to. Each request
 is an ordinary job. The model is the ``X-Model`` header, else the ``model``
 query parameter or body field, else the first enabled model of the catalog.
 
+``POST /`` answers a one-element list, as TGI does (what the ``text-generation``
+client reads); ``/generate`` answers the object.
+
 Streams are TGI's SSE events: a ``token`` per event, and a last event with
 ``generated_text`` and ``details`` (``finish_reason``: length, eos_token or
 stop_sequence). Workers coalesce tokens into events, so a ``token`` may hold
-several tokens' text, and token ids and log-probabilities are not reported
-(``id`` is -1, ``logprob`` null). A client that goes away, or stops reading
-for ``ws_send_timeout_s``, has its job cancelled. Errors are TGI's ``{"error",
-"error_type"}`` bodies (validation, overloaded, generation), the same whether
-streamed or not.
+several tokens' text: its ``id`` is the token id when it holds one token, -1
+when it holds several. ``details`` of a non-streamed answer list the generated
+``tokens`` (ids as generated, each one's text decoded alone) and, with
+``decoder_input_details``, the ``prefill`` (the prompt's ids). Log-probabilities
+are not computed by the engine: every ``logprob`` is null, never a made-up
+number. A job whose worker is lost continues on the next one, so a stream
+carries each token once; when it cannot continue (a ``restart`` event after
+text was sent) the stream ends with a generation error rather than repeat text.
+A client that goes away, or stops reading for ``ws_send_timeout_s``, has its
+job cancelled. Errors are TGI's ``{"error", "error_type"}`` bodies (validation,
+overloaded, generation), the same whether streamed or not.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from api.jobs import (
     final_event,
     follow_job,
     idempotency_key_header,
+    restart_error,
     served_model,
     submit_job,
 )
@@ -52,6 +62,7 @@ from api.services import services
 from api.streams import sse_response
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
+from tasks.events import StreamedOutput
 
 bp = Blueprint("tgi", __name__)
 envelopes.register(bp, envelopes.tgi_body)
@@ -191,16 +202,42 @@ def _submit(body: GenerateRequest) -> Job:
     return submitted.job
 
 
-def _details(body: GenerateRequest, fields: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+def _details(body: GenerateRequest, fields: dict[str, Any]) -> dict[str, Any]:
     usage = fields.get("usage") or {}
-    details: dict[str, Any] = {
+    return {
         "finish_reason": fields.get("finish_reason"),
         "generated_tokens": int(usage.get("completion_tokens") or 0),
         "seed": body.parameters.seed,
     }
-    if not stream:
-        details.update({"prefill": [], "tokens": []})
-    return details
+
+
+def _token_details(job: Job, body: GenerateRequest) -> dict[str, Any]:
+    """``prefill`` and ``tokens`` of a finished job: ids from its stream, texts decoded alone.
+
+    Empty when the stream's history is gone; texts empty when the API has no
+    tokenizer for the model (see ``api/tokenizer.py``).
+    """
+    from api.tokenizer import TokenizerMissing, tokenizers
+
+    history = services().events.history(job.id)
+    output = StreamedOutput.of(history)
+    ids = list(output.ids) if output.whole else []
+    try:
+        tokenizer: Any = tokenizers().get(served_model(job.model))
+    except TokenizerMissing:
+        tokenizer = None
+
+    def text(token_id: int) -> str:
+        if tokenizer is None:
+            return ""
+        return str(tokenizer.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    prefill: list[dict[str, Any]] = []
+    if body.parameters.decoder_input_details and tokenizer is not None:
+        prompt_ids = tokenizer.encode_prompt(body.inputs)
+        prefill = [{"id": i, "text": text(i), "logprob": None} for i in prompt_ids]
+    tokens = [{"id": i, "text": text(i), "logprob": None, "special": False} for i in ids]
+    return {"prefill": prefill, "tokens": tokens}
 
 
 def _data(payload: dict[str, Any]) -> str:
@@ -212,17 +249,30 @@ def _stream(job: Job, body: GenerateRequest) -> Iterator[str]:
     index = 0
     ended = False
     prefix = body.inputs if body.parameters.return_full_text else ""
+    sent = False
     try:
         for event in follow_job(job, idle_s=keepalive):
             if event is None:
                 yield ": keep-alive\n\n"
                 continue
+            if event.type == "restart" and sent:
+                # Text cannot be taken back: end here rather than send it twice.
+                yield _data(envelopes.tgi_body(JobFailed(restart_error(event.fields))))
+                break
             if event.type == "token" and event.text:
                 index += 1
+                sent = True
+                ids = event.fields.get("ids")
+                token_id = ids[0] if isinstance(ids, list) and len(ids) == 1 else -1
                 yield _data(
                     {
                         "index": index,
-                        "token": {"id": -1, "text": event.text, "logprob": None, "special": False},
+                        "token": {
+                            "id": token_id,
+                            "text": event.text,
+                            "logprob": None,
+                            "special": False,
+                        },
                         "generated_text": None,
                         "details": None,
                         "top_tokens": None,
@@ -236,7 +286,7 @@ def _stream(job: Job, body: GenerateRequest) -> Iterator[str]:
                         "index": index,
                         "token": {"id": -1, "text": "", "logprob": None, "special": True},
                         "generated_text": prefix + event.text,
-                        "details": _details(body, event.fields, stream=True),
+                        "details": _details(body, event.fields),
                         "top_tokens": None,
                     }
                 )
@@ -255,14 +305,14 @@ def _stream_response(job: Job, body: GenerateRequest) -> Response:
     return sse_response(_stream(job, body), timeout_s, headers={"X-Job-Id": job.id})
 
 
-def _generate(body: GenerateRequest) -> Response:
+def _generate(body: GenerateRequest, *, as_list: bool = False) -> Response:
     job = _submit(body)
     done = final_event(job, idle_s=services().settings.stream_keepalive_s)
     prefix = body.inputs if body.parameters.return_full_text else ""
     payload: dict[str, Any] = {"generated_text": prefix + done.text}
     if body.parameters.details:
-        payload["details"] = _details(body, done.fields, stream=False)
-    response = jsonify(payload)
+        payload["details"] = {**_details(body, done.fields), **_token_details(job, body)}
+    response = jsonify([payload] if as_list else payload)
     response.headers["X-Job-Id"] = job.id
     return response
 
@@ -303,7 +353,7 @@ def compat_generate() -> Response:
     body = parse(GenerateRequest, json_body())
     if body.stream:
         return _stream_response(_submit(body), body)
-    return _generate(body)
+    return _generate(body, as_list=True)
 
 
 @bp.get("/info")

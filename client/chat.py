@@ -181,8 +181,8 @@ class ChatSession:
         if event.type == "token":
             self.out.write(event.text)
             self.out.flush()
-        elif event.type == "restart":
-            self._note("the worker was lost; the answer starts again")
+        elif event.type == "restart":  # not "resumed": a resumed answer just goes on
+            self._note("the answer could not be continued on another worker; it starts again")
         elif event.type == "done":
             self.out.write("\n")
             self.out.flush()

@@ -7,12 +7,13 @@ Every tunable lives here with its unit and default. ``DATABASE_URL`` and
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PREFIX = "SWITCHYARD_"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,8 @@ class Settings(BaseModel):
         default=f"sqlite:///{PROJECT_ROOT / '.switchyard' / 'switchyard.db'}",
         description=(
             "SQLAlchemy URL of the job database (Postgres in production); unset, the "
-            "SQLite file switchyard.db in the state folder."
+            "SQLite file switchyard.db in the state folder. postgres:// and postgresql:// "
+            "(what hosts hand out) use the installed driver, psycopg2 (or psycopg 3)."
         ),
     )
     redis_url: str = Field(
@@ -133,12 +135,13 @@ class Settings(BaseModel):
         description="Seconds a heartbeat lives; a silent worker is lost after it.",
     )
     worker_grace_s: float = Field(
-        default=90.0,
+        default=0.0,
         ge=0,
         le=86_400,
         description=(
-            "Seconds a worker told to stop (SIGTERM) keeps generating its running jobs; what is "
-            "unfinished then is cancelled and re-queued. Keep it below the executor's kill "
+            "Seconds a worker told to stop (SIGTERM, scale-down) keeps generating its running "
+            "jobs before it hands them back; they continue on another worker from the tokens "
+            "already streamed. 0 (the default): at once. Keep it below the executor's kill "
             "deadline (drain_grace_s, Kubernetes' terminationGracePeriodSeconds)."
         ),
     )
@@ -386,6 +389,11 @@ class Settings(BaseModel):
         description="Log level of every Switchyard process.",
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_driver(cls, url: str) -> str:
+        return with_postgres_driver(url)
+
     @model_validator(mode="before")
     @classmethod
     def _sqlite_in_state_dir(cls, values: Any) -> Any:
@@ -406,6 +414,22 @@ class Settings(BaseModel):
         return frozenset(
             o.strip().rstrip("/").lower() for o in self.allowed_origins.split(",") if o.strip()
         )
+
+
+def with_postgres_driver(url: str) -> str:
+    """``postgres://`` and ``postgresql://`` URLs with the installed driver named.
+
+    SQLAlchemy reads a bare ``postgresql://`` as psycopg 3 (and rejects
+    ``postgres://``); Switchyard installs psycopg2. A URL naming its driver
+    (``postgresql+psycopg://``) is left as it is.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("postgres", "postgresql"):
+        return url
+    driver = "psycopg2"
+    if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg"):
+        driver = "psycopg"
+    return f"postgresql+{driver}://{rest}"
 
 
 _UNPREFIXED = {

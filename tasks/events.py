@@ -16,7 +16,7 @@ import redis
 
 from config import Settings
 
-EventType = Literal["queued", "started", "token", "restart", "done", "error"]
+EventType = Literal["queued", "started", "token", "resumed", "restart", "done", "error"]
 FINAL_TYPES: frozenset[str] = frozenset({"done", "error"})
 _Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
@@ -51,6 +51,70 @@ class JobEvent:
         return cls(seq=seq, type=kind, fields=data)
 
 
+@dataclass(frozen=True)
+class StreamedOutput:
+    """What a job's stream has delivered so far: the output a next attempt continues.
+
+    ``ids`` and ``text`` are the token events' ids and text since the last
+    ``restart`` (a restart starts the output again). ``whole`` is false when
+    the history does not begin at seq 0 (it expired or Redis lost it) or a
+    token event carries no ids: then what clients saw is not known exactly
+    and the output cannot be continued. ``attempts`` counts ``started`` events.
+    """
+
+    ids: tuple[int, ...] = ()
+    text: str = ""
+    whole: bool = True
+    attempts: int = 0
+    last_worker: str | None = None
+
+    @classmethod
+    def of(cls, history: list[JobEvent]) -> StreamedOutput:
+        ids: list[int] = []
+        text: list[str] = []
+        whole = bool(history) and history[0].seq == 0
+        attempts = 0
+        worker: str | None = None
+        for event in history:
+            if event.type == "started":
+                attempts += 1
+                worker = str(event.fields.get("worker") or "") or None
+            elif event.type == "restart":
+                ids, text = [], []
+            elif event.type == "token":
+                got = event.fields.get("ids")
+                if not isinstance(got, list):
+                    whole = False
+                else:
+                    ids.extend(int(i) for i in got)
+                text.append(event.text)
+        return cls(tuple(ids), "".join(text), whole, attempts, worker)
+
+
+class StreamTaken(Exception):
+    """A fenced write was refused: another attempt of the job owns its stream now."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: its stream belongs to a later attempt")
+        self.job_id = job_id
+
+
+# KEYS: owner key, stream key; ARGV: owner token, ttl, then the JSON payloads.
+# A missing owner key (Redis restarted without persistence) is taken again:
+# the writer that finds it first holds the stream, as the claim says it should.
+_FENCED_APPEND = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+for i = 3, #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
+  redis.call('PUBLISH', KEYS[2], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class EventLog:
     """Append to and read from job event streams in one Redis."""
 
@@ -77,6 +141,28 @@ class EventLog:
             pipe.publish(key, payload)
         pipe.expire(key, self.settings.stream_ttl_s)
         pipe.execute()
+
+    def owner_key(self, job_id: str) -> str:
+        return self.settings.key("owner", job_id)
+
+    def take(self, job_id: str, owner: str) -> None:
+        """Make ``owner`` (one attempt of the job) the only fenced writer of its stream.
+
+        Called by a worker right after it claims the job and before it reads
+        the history: a write of an earlier attempt that was still on its way
+        lands before this (and is in the history read after it) or is refused.
+        """
+        self.redis.set(self.owner_key(job_id), owner, ex=self.settings.stream_ttl_s)
+
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None:
+        """:meth:`append`, only while ``owner`` holds the stream; else :class:`StreamTaken`."""
+        if not events:
+            return
+        payloads = [e.to_json() for e in events]
+        keys = [self.owner_key(job_id), self.channel(job_id)]
+        args: list[str | int] = [owner, self.settings.stream_ttl_s, *payloads]
+        if not self.redis.eval(_FENCED_APPEND, 2, *keys, *args):
+            raise StreamTaken(job_id)
 
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
         """Every stored event with ``seq > after``, in order, each seq once.

@@ -77,6 +77,12 @@ JOB_RESTARTS = CounterSpec(
     "Jobs sent back to the queue mid-generation (worker_lost, worker_draining, abandoned).",
     ("model", "reason"),
 )
+JOB_CONTINUATIONS = CounterSpec(
+    "job_continuations",
+    "Re-run jobs by how their next attempt began: resumed (continued from the tokens "
+    "already streamed) or restart (continuation impossible; generated again).",
+    ("model", "outcome"),
+)
 JOBS_RESENT = CounterSpec(
     "jobs_resent", "Queued jobs whose lost broker message the reaper sent again.", ("model",)
 )
@@ -121,6 +127,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
     PROMPT_TOKENS,
     JOBS_FINISHED,
     JOB_RESTARTS,
+    JOB_CONTINUATIONS,
     JOBS_RESENT,
     HTTP_REQUESTS,
 )

@@ -5,9 +5,10 @@ processes at once (every change is a conditional UPDATE, a lost race does
 nothing):
 
 * **Lost workers.** A running job whose worker has no live heartbeat goes back
-  to ``queued`` (only if still running on that worker), gets a ``restart``
-  event (its stream's ``seq`` continues) and a new message with the same task
-  id; its lost attempt counts. A job that has used ``max_attempts`` attempts
+  to ``queued`` (only if still running on that worker) and gets a new message
+  with the same task id; its lost attempt counts. The next attempt continues
+  from the tokens its stream holds (a ``resumed`` event, see
+  :mod:`workers.runner`). A job that has used ``max_attempts`` attempts
   fails instead: ``worker lost N times``. A worker counts as lost when its
   heartbeat key is gone and either its last registered beat is older than the
   heartbeat TTL, or this reaper has seen it missing for a TTL — so a Redis
@@ -174,9 +175,8 @@ class Reaper:
             return Recovery(job.id, job.model, "failed", error)
         if self.jobs.requeue(job.id, worker, count_attempt=True) is None:
             return None
-        self._append(
-            job.id, "restart", {"reason": reason, "attempt": job.attempts, "worker": worker}
-        )
+        # No event here: the next attempt continues the stream and says so
+        # with ``resumed`` (or ``restart`` when it cannot continue).
         batch = self.metrics.batch()
         batch.inc(m.JOB_RESTARTS, {**labels, "reason": metric})
         batch.commit()

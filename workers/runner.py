@@ -5,11 +5,31 @@ It is what the Celery task calls, and knows nothing of Celery: claim the row
 publish coalesced token events, honour cancellation, write the outcome and
 its metrics.
 
+Continuation: a job run again (its worker was lost, a drain handed it back,
+its outcome could not be written) goes on from what its stream already holds.
+The runner reads the stream's history at the claim: the ids of every token
+event (each carries the ids its text came from, exactly as generated) and
+their text are submitted as ``resume_ids`` / ``resume_text``, so the engine
+prefills prompt plus output and continues with the remaining budget. The
+attempt begins with ``started`` then ``resumed`` (``attempt``, ``worker``,
+``tokens`` carried over, ``previous_worker``); clients see one answer. When
+continuing is impossible, a ``restart`` event (``reason``) says the output
+starts again: prompt plus output do not fit the engine's context, or the
+stream's history is incomplete (expired, or lost with Redis).
+
+Fencing: right after the claim, the attempt takes the stream
+(:meth:`EventLog.take`) before it reads the history, and writes only while it
+holds it. A worker taken for lost while it still runs (a long pause) can then
+neither add tokens the next attempt did not carry over nor interleave with
+it: its write is refused (:class:`StreamTaken`) and it drops the job.
+
 Draining (the worker was told to stop): :meth:`JobRunner.drain` sets a
-deadline; jobs still generating then are cancelled and put back in the queue
-(``running → queued`` only if still ours, a ``restart`` event, a new message
-through ``resend``), and the attempt is given back — a drain is not the job's
-fault, so it does not count toward ``max_attempts``.
+deadline (``worker_grace_s``, 0 by default: at once); jobs still generating
+then are cancelled and put back in the queue (``running → queued`` only if
+still ours, a new message through ``resend``) to continue elsewhere, and the
+attempt is given back — a drain is not the job's fault, so it does not count
+toward ``max_attempts``. Tokens the engine releases after the cancel are not
+published: the next attempt generates them again.
 """
 
 from __future__ import annotations
@@ -17,8 +37,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -34,11 +55,13 @@ from models.engine import (
     FinishEvent,
     GenerationRequest,
     InvalidRequest,
+    PromptTooLong,
+    RequestHandle,
     SamplingParams,
     TokenEvent,
 )
 from tasks import metrics as m
-from tasks.events import EventLog, JobEvent
+from tasks.events import EventLog, JobEvent, StreamedOutput, StreamTaken
 from tasks.metrics import MetricsBatch, MetricsStore
 
 log = logging.getLogger(__name__)
@@ -97,22 +120,26 @@ class _Stream:
     events: EventLog
     job_id: str
     next_seq: int
+    owner: str | None = None  # this attempt's fence token (see EventLog.take)
     pending: str = ""
+    pending_ids: list[int] = field(default_factory=list)
     pending_since: float = 0.0
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.flush()
         self._write([self._event(kind, fields)])
 
-    def add_text(self, text: str) -> None:
+    def add_text(self, text: str, ids: list[int]) -> None:
         if not self.pending:
             self.pending_since = time.monotonic()
         self.pending += text
+        self.pending_ids.extend(ids)
 
     def flush(self) -> None:
+        # ``ids`` are what a next attempt carries over (see the module docstring).
         if self.pending:
-            event = self._event("token", {"text": self.pending})
-            self.pending = ""
+            event = self._event("token", {"text": self.pending, "ids": self.pending_ids})
+            self.pending, self.pending_ids = "", []
             self._write([event])
 
     def _event(self, kind: str, fields: dict[str, Any]) -> JobEvent:
@@ -123,7 +150,17 @@ class _Stream:
     def _write(self, events: list[JobEvent]) -> None:
         # A write that half-happened before an error repeats a seq, which every
         # reader skips.
-        retry_redis(self.job_id, "publish events", lambda: self.events.append(self.job_id, events))
+        if self.owner is None:
+            retry_redis(
+                self.job_id, "publish events", lambda: self.events.append(self.job_id, events)
+            )
+            return
+        owner = self.owner
+        retry_redis(
+            self.job_id,
+            "publish events",
+            lambda: self.events.append_fenced(self.job_id, events, owner),
+        )
 
 
 class JobRunner:
@@ -190,10 +227,20 @@ class JobRunner:
             self._active.add(job_id)
         try:
             self._record_start(job)
-            stream = _Stream(self.events, job_id, self._next_seq(job_id))
+            # Fence first, then read: an earlier attempt's late write is either
+            # in this history or refused, never after it (StreamTaken).
+            owner = f"{self.worker_id}/{uuid.uuid4().hex}"
+            retry_redis(job_id, "take its stream", lambda: self.events.take(job_id, owner))
+            history = retry_redis(job_id, "read its stream", lambda: self.events.history(job_id))
+            next_seq = max(history[-1].seq + 1 if history else 0, 1)
+            stream = _Stream(self.events, job_id, next_seq, owner=owner)
             stream.emit("started", attempt=job.attempts, worker=self.worker_id)
             try:
-                self._generate(job, stream)
+                self._generate(job, stream, StreamedOutput.of(history))
+            except StreamTaken:
+                # Re-queued while this worker still ran it (it looked lost): the
+                # next attempt owns the job; stop here, writing nothing.
+                log.warning("job %s was taken over by a later attempt; dropped here", job_id)
             except Exception as exc:  # the job fails; the worker keeps serving
                 log.exception("job %s failed", job_id)
                 self._fail(job, stream, f"{type(exc).__name__}: {exc}")
@@ -229,14 +276,87 @@ class JobRunner:
             return self.engine.encode_chat(job.messages, truncate=truncate)
         return self.engine.encode_prompt(job.prompt or "", truncate=truncate)
 
-    def _generate(self, job: Job, stream: _Stream) -> None:
+    def _submit(
+        self, job: Job, stream: _Stream, before: StreamedOutput
+    ) -> RequestHandle | FinishEvent:
+        """Submit the job, continuing what earlier attempts streamed (module docstring).
+
+        Returns a :class:`FinishEvent` instead when earlier attempts already
+        used the whole budget (their outcome was lost, not their tokens).
+        Raises :class:`InvalidRequest` for a request the engine refuses.
+        """
+        prompt_ids = self._encode(job)
+        params = sampling_params(self.definition, job.params)
+        fresh = GenerationRequest(job.id, prompt_ids, params)
+        if before.attempts == 0 and (before.whole or job.attempts <= 1):
+            return self.engine.submit(fresh)  # a first run
+        if not before.whole:
+            self._restart(job, stream, "the stream's history is incomplete")
+            return self.engine.submit(fresh)
+        if len(before.ids) >= params.max_new_tokens:
+            self._resumed(job, stream, before)
+            return FinishEvent("length", before.text, len(prompt_ids), len(before.ids))
         try:
-            prompt_ids = self._encode(job)
-            params = sampling_params(self.definition, job.params)
-            handle = self.engine.submit(GenerationRequest(job.id, prompt_ids, params))
+            handle = self.engine.submit(
+                GenerationRequest(
+                    job.id,
+                    prompt_ids,
+                    params,
+                    resume_ids=before.ids,
+                    resume_text=before.text,
+                )
+            )
+        except PromptTooLong as exc:
+            reason = (
+                f"prompt plus output ({exc.n_tokens} tokens) exceed the model's limit "
+                f"of {exc.limit}"
+            )
+            self._restart(job, stream, reason)
+            return self.engine.submit(fresh)
+        self._resumed(job, stream, before)
+        return handle
+
+    def _resumed(self, job: Job, stream: _Stream, before: StreamedOutput) -> None:
+        stream.emit(
+            "resumed",
+            attempt=job.attempts,
+            worker=self.worker_id,
+            tokens=len(before.ids),
+            previous_worker=before.last_worker,
+        )
+        self._count_continuation(job, "resumed")
+        log.info(
+            "job %s resumed after %d tokens (attempt %d)", job.id, len(before.ids), job.attempts
+        )
+
+    def _restart(self, job: Job, stream: _Stream, reason: str) -> None:
+        stream.emit("restart", reason=reason, attempt=job.attempts, worker=self.worker_id)
+        self._count_continuation(job, "restart")
+        log.warning("job %s cannot be continued (%s); generated again", job.id, reason)
+
+    def _count_continuation(self, job: Job, outcome: str) -> None:
+        if self.metrics is not None:
+            batch = self.metrics.batch()
+            batch.inc(m.JOB_CONTINUATIONS, {"model": job.model, "outcome": outcome})
+            batch.commit()
+
+    def _generate(self, job: Job, stream: _Stream, before: StreamedOutput) -> None:
+        try:
+            submitted = self._submit(job, stream, before)
         except InvalidRequest as exc:
             self._fail(job, stream, str(exc))
             return
+        if isinstance(submitted, FinishEvent):
+            self._finish(job, stream, submitted, None, False)
+            return
+        try:
+            self._follow(job, stream, submitted)
+        except BaseException:  # the engine must not generate on for nobody
+            submitted.cancel()
+            raise
+
+    def _follow(self, job: Job, stream: _Stream, handle: RequestHandle) -> None:
+        """Publish ``handle``'s events until it finishes, then record the outcome."""
         coalesce_s = self.settings.stream_coalesce_ms / 1000
         deadline = time.monotonic() + self.settings.job_timeout_s
         next_cancel_check = time.monotonic() + CANCEL_POLL_S
@@ -254,7 +374,9 @@ class JobRunner:
                 wait = max(0.0, min(wait, stream.pending_since + coalesce_s - now))
             event = handle.next_event(timeout=wait)
             now = time.monotonic()
-            if isinstance(event, TokenEvent):
+            if isinstance(event, TokenEvent) and drained_at is not None and not user_cancelled:
+                pass  # handed back: the next attempt generates it again (module docstring)
+            elif isinstance(event, TokenEvent):
                 first = first_token_at is None and bool(event.text)
                 if first:
                     first_token_at = datetime.now(UTC)
@@ -264,7 +386,7 @@ class JobRunner:
                     for _ in range(n):
                         batch.observe(m.INTER_TOKEN_LATENCY, labels, (now - last_token_t) / n)
                 last_token_t = now
-                stream.add_text(event.text)
+                stream.add_text(event.text, event.token_ids)
                 if first:  # time-to-first-token is what a user feels: never coalesce it
                     stream.flush()
             elif isinstance(event, FinishEvent):
@@ -430,9 +552,6 @@ class JobRunner:
         if self.jobs.requeue(job.id, self.worker_id, count_attempt=False) is None:
             log.info("job %s is no longer ours; not re-queued by the drain", job.id)
             return
-        stream.emit(
-            "restart", reason="worker draining", attempt=job.attempts, worker=self.worker_id
-        )
         if self.metrics is not None:
             batch = self.metrics.batch()
             batch.inc(m.JOB_RESTARTS, {"model": job.model, "reason": "worker_draining"})

@@ -91,6 +91,8 @@ class MuxTransport {
     if (jobId) handlers.onJob(jobId);
     if (frame.type === "token") handlers.onToken(frame.text || "");
     else if (frame.type === "started") handlers.onStarted();
+    // "resumed" needs nothing: the next attempt's tokens continue the text.
+    else if (frame.type === "restart") handlers.onRestart();
     else if (frame.type === "queued" && typeof frame.position === "number")
       handlers.onQueue(frame.position);
     else if (frame.type === "done") {
@@ -183,7 +185,7 @@ class JobTransport {
         seen(event.seq);
         if (event.type === "token") handlers.onToken(event.text || "");
         else if (event.type === "started") handlers.onStarted();
-        else if (event.type === "restart") handlers.onRestart();
+        else if (event.type === "restart") handlers.onRestart(); // not "resumed": it continues
         else if (event.type === "done") {
           handlers.onDone(event);
           return true;
@@ -499,7 +501,8 @@ async function send(text) {
     },
     onRestart: () => {
       textNode.textContent = "";
-      showQueue("The worker was lost; your request was put back in the queue.");
+      // Only when the answer could not be continued (a "resumed" job keeps its text).
+      showQueue("The answer could not be continued on another worker; it starts again.");
     },
     onToken: (piece) => {
       if (!run.started) {

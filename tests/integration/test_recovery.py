@@ -117,7 +117,7 @@ def stream_in_background(api_url: str, job_id: str, token: str) -> tuple[threadi
 
 def tokens_after_last_restart(events: EventLog, job_id: str) -> int:
     history = events.history(job_id)
-    restarts = [i for i, e in enumerate(history) if e.type == "restart"]
+    restarts = [i for i, e in enumerate(history) if e.type in ("restart", "resumed")]
     start = restarts[-1] + 1 if restarts else 0
     return sum(1 for e in history[start:] if e.type == "token")
 
@@ -133,7 +133,7 @@ def assert_gapless(events: list[dict[str, Any]]) -> None:
     assert [e["seq"] for e in events] == list(range(len(events)))
 
 
-def test_kill_9_mid_job_restarts_it_on_another_worker_and_the_stream_stays_whole(
+def test_kill_9_mid_job_continues_it_on_another_worker_and_the_stream_stays_whole(
     api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
 ) -> None:
     first, second = workers.start(), workers.start()
@@ -153,22 +153,24 @@ def test_kill_9_mid_job_restarts_it_on_another_worker_and_the_stream_stays_whole
     stream = frames[0]
     assert_gapless(stream)
     types = [e["type"] for e in stream]
-    assert types.count("restart") == 1 and types.count("started") == 2
-    restart = types.index("restart")
-    assert types[:2] == ["queued", "started"] and "token" in types[2:restart]
-    assert stream[restart]["reason"] == "worker lost"
-    assert stream[restart]["worker"] == victim
-    assert types[restart + 1] == "started" and stream[restart + 1]["attempt"] == 2
-    assert types[-1] == "done" and set(types[restart + 2 : -1]) == {"token"}
-    # The client keeps the text after the restart: the second attempt's, whole.
-    second_text = "".join(e["text"] for e in stream[restart:] if e["type"] == "token")
-    assert stream[-1]["text"] == second_text
+    assert "restart" not in types and types.count("started") == 2
+    second = types.index("started", 2)
+    assert types[:2] == ["queued", "started"] and "token" in types[2:second]
+    assert stream[second]["attempt"] == 2 and stream[second]["worker"] == survivor
+    resumed = stream[second + 1]
+    assert resumed["type"] == "resumed" and resumed["previous_worker"] == victim
+    carried = [e for e in stream[:second] if e["type"] == "token"]
+    assert resumed["tokens"] == sum(len(e["ids"]) for e in carried) > 0
+    assert types[-1] == "done" and set(types[second + 2 : -1]) == {"token"}
+    # One answer: the first attempt's tokens, then the second's, each once.
+    whole_text = "".join(e["text"] for e in stream if e["type"] == "token")
+    assert stream[-1]["text"] == whole_text
 
     job = wait_final(api_url, admin_token, job_id)
     assert job["status"] == "succeeded"
     assert job["attempts"] == 2
     assert job["worker"] == survivor
-    assert job["output_text"] == second_text
+    assert job["output_text"] == whole_text
     assert job["usage"]["completion_tokens"] == 800
 
     # Operators see the killed worker as lost, no longer counted.
@@ -244,7 +246,8 @@ def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(
     assert job["error"] == "worker lost 2 times"
     stream = farm.ws_events(api_url, job_id, user_token)
     assert_gapless(stream)
-    assert [e["type"] for e in stream].count("restart") == 1
+    types = [e["type"] for e in stream]
+    assert types.count("resumed") == 1 and "restart" not in types
     assert stream[-1]["type"] == "error" and stream[-1]["error"] == "worker lost 2 times"
     # Nothing is left running on a worker that is gone.
     auth = {"Authorization": f"Bearer {user_token}"}  # private models: token holders only
@@ -255,8 +258,8 @@ def test_a_job_whose_workers_keep_dying_fails_after_max_attempts(
 def test_sigterm_lets_a_running_job_finish_within_the_grace_period(
     api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
 ) -> None:
-    assert migrated.worker_grace_s >= 20
-    worker = workers.start()
+    # A grace long enough for the whole job (the default, 0, hands it over at once).
+    worker = workers.start(env={"SWITCHYARD_WORKER_GRACE_S": "60"})
     job_id = submit(api_url, user_token, max_new_tokens=120)
     wait_for("the job to run", lambda: running_on(api_url, admin_token, job_id, 1) == worker)
     proc = workers.procs[worker]
@@ -266,12 +269,12 @@ def test_sigterm_lets_a_running_job_finish_within_the_grace_period(
     assert job["status"] == "succeeded" and job["attempts"] == 1 and job["worker"] == worker
     assert job["usage"]["completion_tokens"] == 120
     types = [e["type"] for e in farm.ws_events(api_url, job_id, user_token)]
-    assert "restart" not in types and types[-1] == "done"
+    assert "restart" not in types and "resumed" not in types and types[-1] == "done"
     # A worker that stopped cleanly leaves the registry (it is not "lost").
     assert worker not in {w["id"] for w in list_workers(workers.redis, migrated)}
 
 
-def test_sigterm_past_the_grace_period_requeues_the_job_which_completes_elsewhere(
+def test_sigterm_past_the_grace_period_hands_the_job_over_and_it_continues_elsewhere(
     api_url: str, user_token: str, admin_token: str, migrated: Settings, workers: Workers
 ) -> None:
     events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
@@ -287,18 +290,22 @@ def test_sigterm_past_the_grace_period_requeues_the_job_which_completes_elsewher
 
     queued = get_job(api_url, admin_token, job_id)
     assert queued["status"] == "queued" and queued["worker"] is None
-    restart = [e for e in events.history(job_id) if e.type == "restart"]
-    assert len(restart) == 1 and restart[0].fields["reason"] == "worker draining"
+    handed = events.history(job_id)
+    carried = sum(len(e.fields["ids"]) for e in handed if e.type == "token")
+    assert carried > 0 and handed[-1].type == "token"  # nothing after its last token
 
     other = workers.start()
     job = wait_final(api_url, admin_token, job_id)
     assert job["status"] == "succeeded" and job["worker"] == other
     assert job["attempts"] == 1  # a drain gives its attempt back
-    stream = farm.ws_events(api_url, job_id, user_token)
+    stream = [e.as_dict() for e in events.history(job_id)]  # worker names: internal
     assert_gapless(stream)
     types = [e["type"] for e in stream]
-    assert types.count("restart") == 1 and types.count("started") == 2
-    assert types[-1] == "done"
+    assert "restart" not in types and types.count("started") == 2
+    resumed = stream[types.index("resumed")]
+    assert resumed["tokens"] == carried and resumed["previous_worker"] == worker
+    assert types[-1] == "done" and job["usage"]["completion_tokens"] == 2048
+    assert stream[-1]["text"] == "".join(e["text"] for e in stream if e["type"] == "token")
 
 
 def test_a_queued_job_whose_broker_message_vanished_is_sent_again(

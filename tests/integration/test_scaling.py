@@ -98,11 +98,14 @@ def ready_pids(settings: Settings, model: str) -> set[int]:
     return {w["pid"] for w in live_workers(settings, model) if w["state"] == "ready"}
 
 
-def make_scaler(settings: Settings, log_dir: Path, **kw: Any) -> Scaler:
+def make_scaler(
+    settings: Settings, log_dir: Path, *, worker_grace_s: float = 600, **kw: Any
+) -> Scaler:
     client = redis.Redis.from_url(settings.redis_url)
     env = farm.settings_env(settings)
-    # A draining worker may finish its running job however slow this machine is.
-    env["SWITCHYARD_WORKER_GRACE_S"] = "600"
+    # By default a draining worker may finish its running job however slow this
+    # machine is (the product's default, 0, hands it over at once).
+    env["SWITCHYARD_WORKER_GRACE_S"] = str(worker_grace_s)
     executor = LocalExecutor(settings, client=client, env=env, log_dir=log_dir, stop_grace_s=90)
     catalog = load_catalog(settings.models_dir)
     return Scaler(settings, catalog, Database(settings.database_url), client, executor, **kw)
@@ -237,6 +240,91 @@ def test_manual_scale_zero_two_one_zero_drains_before_stopping(
         assert live_workers(settings, model) == []
         steps = [(d.previous, d.desired, d.reason) for d in decisions(settings, model)]
         assert steps == [(None, 0, "queue"), (0, 2, "manual"), (2, 1, "manual"), (1, 0, "manual")]
+    finally:
+        executor.close()
+
+
+def test_scale_down_hands_running_jobs_over_in_seconds_and_their_text_stays_whole(
+    migrated: Settings, token: str, tmp_path: Path, log_dir: Path
+) -> None:
+    """2 → 1 replicas while both generate long jobs: the drained worker hands its
+    jobs over at once (the default grace, 0) and exits within 5 s; they continue
+    on the other worker and end with the uninterrupted answer."""
+    from db.jobs import JobStore
+    from tasks.events import EventLog
+
+    model = unique("sc-handover")
+    settings = settings_for(
+        migrated,
+        make_models(tmp_path / "models", {model: {"slow": True, "scaling": {"max_replicas": 2}}}),
+    )
+    scaler = make_scaler(settings, log_dir, worker_grace_s=0)
+    controls = controls_for(settings)
+    executor = scaler.executor
+    assert isinstance(executor, LocalExecutor)
+    jobs = JobStore(Database(settings.database_url))
+    events = EventLog(redis.Redis.from_url(settings.redis_url), settings)
+
+    def settle(check: Callable[[], Any], what: str, timeout: float = 240) -> Any:
+        def step() -> Any:
+            executor.poll()
+            return check()
+
+        return wait_for(step, timeout, what, every=0.05)
+
+    def busy_workers(ids: list[str]) -> set[str]:
+        return {
+            str(j.worker)
+            for j in jobs.running()
+            if j.id in ids and any(e.type == "token" for e in events.history(j.id))
+        }
+
+    try:
+        controls.scale(model, 2, until=None, actor="test")
+        scaler.tick()
+        settle(lambda: len(ready_pids(settings, model)) == 2, "2 ready")
+        with farm.serve_app_in_thread(settings) as api_url:
+            # Under the tiny model's 512 input tokens with the prompt: always continuable.
+            reference_id = submit(api_url, token, model, max_new_tokens=300)
+            wait_for(
+                lambda: job_status(api_url, token, reference_id)["status"] == "succeeded",
+                240,
+                "the reference answer",
+            )
+            answer = job_status(api_url, token, reference_id)["output_text"]
+            ids: list[str] = []
+            while len(busy_workers(ids)) < 2:
+                assert len(ids) < 8, "the jobs did not spread over both workers"
+                ids.append(submit(api_url, token, model, max_new_tokens=300))
+                wait_for(lambda: busy_workers(ids), 120, "a job generating", every=0.05)
+                time.sleep(0.3)
+            controls.scale(model, 1, until=None, actor="test")
+            began = time.monotonic()
+            scaler.tick()
+            settle(lambda: len(executor.processes()) == 1, "one worker to hand over and exit", 60)
+            scale_down_s = time.monotonic() - began
+            for job_id in ids:
+                wait_for(
+                    lambda j=job_id: (
+                        job_status(api_url, token, j)["status"]
+                        in ("succeeded", "failed", "cancelled")
+                    ),
+                    300,
+                    f"job {job_id} to end",
+                )
+        assert scale_down_s < 5, f"the scale-down took {scale_down_s:.1f} s"
+        handed = 0
+        for job_id in ids:
+            row = jobs.get(job_id)
+            assert row is not None and row.status == "succeeded", row and row.error
+            assert row.output_text == answer and row.completion_tokens == 300
+            history = events.history(job_id)
+            assert [e.seq for e in history] == list(range(len(history)))
+            types = [e.type for e in history]
+            assert "restart" not in types
+            handed += "resumed" in types
+            assert row.attempts == 1  # a drain gives its attempt back
+        assert handed >= 1
     finally:
         executor.close()
 

@@ -24,7 +24,31 @@ def test_environment_is_read_with_conventional_and_prefixed_names() -> None:
             "SWITCHYARD_API_PORT": "9000",
         }
     )
-    assert (s.database_url, s.redis_url, s.api_port) == ("postgresql://x/y", "redis://r:1/2", 9000)
+    # A bare postgresql:// gets the installed driver (SQLAlchemy would pick psycopg 3).
+    assert (s.database_url, s.redis_url, s.api_port) == (
+        "postgresql+psycopg2://x/y",
+        "redis://r:1/2",
+        9000,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        ("postgres://u:p@h:5432/d", "postgresql+psycopg2://u:p@h:5432/d"),
+        ("postgresql://u@h/d?sslmode=require", "postgresql+psycopg2://u@h/d?sslmode=require"),
+        ("postgresql+psycopg2://u@h/d", "postgresql+psycopg2://u@h/d"),
+        ("postgresql+psycopg://u@h/d", "postgresql+psycopg://u@h/d"),
+        ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db"),
+    ],
+)
+def test_postgres_urls_use_the_installed_driver(given: str, used: str) -> None:
+    from sqlalchemy import create_engine
+
+    s = load_settings({"DATABASE_URL": given})
+    assert s.database_url == used
+    if used.startswith("postgresql+psycopg2"):
+        create_engine(s.database_url)  # the driver loads (no connection is made)
 
 
 @pytest.mark.parametrize(

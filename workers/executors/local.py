@@ -52,6 +52,7 @@ from workers.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class Replica:
     """One worker process this executor started."""
