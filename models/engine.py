@@ -195,6 +195,7 @@ class _Sequence:
     emitted: list[str] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # its row of the KV cache while admitted
+    replay: bool = False  # resumed tokens are fed one a step (see Engine._feeds_one)
     computed: int = 0  # tokens of this sequence held in the KV cache
     cancelled: bool = False
     done: bool = False
@@ -209,6 +210,10 @@ class _Sequence:
     @property
     def length(self) -> int:
         return len(self.request.prompt_ids) + len(self.generated)
+
+    def token_at(self, index: int) -> int:
+        prompt = self.request.prompt_ids
+        return prompt[index] if index < len(prompt) else self.generated[index - len(prompt)]
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -281,6 +286,7 @@ class Engine:
         self._closed = False
         self._rate: deque[tuple[float, int]] = deque()
         self._started_at = time.monotonic()
+        self._threads = torch.get_num_threads()
 
     # -- public API -------------------------------------------------------------
 
@@ -292,6 +298,7 @@ class Engine:
             if self._thread is not None:
                 return
             self._started_at = time.monotonic()
+            self._threads = torch.get_num_threads()
             self._thread = threading.Thread(target=self._run, name="switchyard-engine", daemon=True)
             self._thread.start()
 
@@ -481,6 +488,7 @@ class Engine:
         again.
         """
         request = seq.request
+        seq.replay = not seq.sampler.greedy and request.params.seed is not None
         pieces = []
         for token in request.resume_ids:
             seq.generated.append(token)
@@ -505,6 +513,9 @@ class Engine:
     # -- the step loop -----------------------------------------------------------------
 
     def _run(self) -> None:
+        # OpenMP's thread count is per calling thread: the loop's thread takes
+        # the one its creator set (measured: 21.8 ms a step without, 12.6 with).
+        torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while True:
                 with self._lock:
@@ -552,17 +563,17 @@ class Engine:
     def _plan(self) -> _Plan:
         """Decoding rows first (in slot order), then prefill chunks within the token budget."""
         decoding = sorted(
-            (s for s in self._running if s.computed and s.length - s.computed == 1),
+            (s for s in self._running if self._feeds_one(s)),
             key=lambda s: s.slot if s.slot is not None else 0,
         )
         budget = self.max_step_tokens - len(decoding)
         seqs: list[_Sequence] = list(decoding)
         counts = [1] * len(decoding)
-        ids: list[int] = [s.generated[-1] if s.generated else s.all_ids()[-1] for s in decoding]
-        positions = [s.length - 1 for s in decoding]
+        ids: list[int] = [s.token_at(s.computed) for s in decoding]
+        positions = [s.computed for s in decoding]
         chunks: list[Chunk] = []
-        logit_rows = list(range(len(decoding)))
-        sampled = list(decoding)
+        logit_rows = [i for i, s in enumerate(decoding) if s.computed + 1 == s.length]
+        sampled = [decoding[i] for i in logit_rows]
         for seq in self._running:
             if seq in decoding or budget <= 0:
                 continue
@@ -589,6 +600,21 @@ class Engine:
             logit_rows=logit_rows,
         )
         return _Plan(seqs, counts, step, sampled, len(decoding))
+
+    @staticmethod
+    def _feeds_one(seq: _Sequence) -> bool:
+        """Whether ``seq`` runs as a decoding row (one token) this step.
+
+        A decoding sequence feeds its last token. A seeded sampled request
+        resumed from an earlier attempt feeds its resumed tokens one a step
+        too, as the uninterrupted run did, so that its cache — and so its
+        random draws' outcome — is the uninterrupted run's to the last bit.
+        """
+        if not seq.computed:
+            return False
+        return seq.length - seq.computed == 1 or (
+            seq.replay and seq.computed >= len(seq.request.prompt_ids)
+        )
 
     def _step(self) -> None:
         """One forward pass over the plan, one new token for each sequence it completes."""

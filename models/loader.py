@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,35 @@ def load_model(
     holds its own (repacked) weights, the transformers model's are released
     (moved to the meta device) unless ``keep_weights``: benchmarks that also
     run transformers itself, or rebuild the runtime in other formats, keep them.
+
+    The work runs on a thread of its own that ends with it. OpenMP keeps a
+    team of worker threads per calling thread, and a caller's idle team
+    halves the speed of the engine's own team on a 2-core machine (measured:
+    a decoding step of SmolLM2-135M took 22 ms instead of 12 ms after a load
+    on the caller's thread).
     """
+    result: list[LoadedModel] = []
+    error: list[BaseException] = []
+    threads = torch.get_num_threads()
+
+    def work() -> None:
+        torch.set_num_threads(threads)
+        try:
+            result.append(_load_model(definition, catalog, cache_dir, keep_weights))
+        except BaseException as exc:  # re-raised on the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=work, name=f"load-{definition.name}")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _load_model(
+    definition: ModelDefinition, catalog: Catalog, cache_dir: Path, keep_weights: bool
+) -> LoadedModel:
     device = resolve_device(definition.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(definition.name, f"device {definition.device!r} asked but no CUDA")

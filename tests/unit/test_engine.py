@@ -743,3 +743,19 @@ def test_a_generation_cut_inside_a_character_does_not_end_with_a_replacement_cha
         cuts.append(finish.text)
     assert cuts[-1] == "안녕하세요 👋🏽"
     assert len(set(cuts)) < len(cuts), "no cut fell inside a character"
+
+
+def test_a_seeded_request_resumed_after_any_number_of_tokens_draws_the_same_tokens(
+    make_engine: MakeEngine,
+) -> None:
+    engine = make_engine()
+    p = prompts(engine, 2)[1]
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    tokens, whole = drain(engine.submit(GenerationRequest("whole", p, params)))
+    ids = ids_of(tokens)
+    for cut in range(1, len(tokens)):
+        done = tuple(ids_of(tokens[:cut]))
+        text = "".join(e.text for e in tokens[:cut])
+        rest, finish = drain(engine.submit(GenerationRequest(f"r{cut}", p, params, done, text)))
+        assert done + tuple(ids_of(rest)) == tuple(ids), f"resumed after {cut} events"
+        assert finish.text == whole.text
