@@ -380,14 +380,19 @@ class JobRunner:
                 first = first_token_at is None and bool(event.text)
                 if first:
                     first_token_at = datetime.now(UTC)
-                if batch is not None and last_token_t is not None:
+                gap = None if last_token_t is None else now - last_token_t
+                if batch is not None and gap is not None:
                     # A chunk of n tokens after `gap` seconds: n tokens of gap/n each.
                     n = max(1, len(event.token_ids))
                     for _ in range(n):
-                        batch.observe(m.INTER_TOKEN_LATENCY, labels, (now - last_token_t) / n)
+                        batch.observe(m.INTER_TOKEN_LATENCY, labels, gap / n)
                 last_token_t = now
                 stream.add_text(event.text, event.token_ids)
-                if first:  # time-to-first-token is what a user feels: never coalesce it
+                # Time-to-first-token is what a user feels: never coalesce it. Nor
+                # wait when the engine's steps are slower than the window (a big
+                # batch): no other token would join this one, the wait only delays
+                # it and costs a wake-up.
+                if first or (gap is not None and gap >= coalesce_s):
                     stream.flush()
             elif isinstance(event, FinishEvent):
                 stream.flush()
