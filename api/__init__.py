@@ -25,6 +25,7 @@ from api import (
     operations,
     origins,
     scaling,
+    sock,
     tgi,
     tokenizer,
     web,
@@ -32,7 +33,6 @@ from api import (
 from api.auth import SUBPROTOCOL
 from api.errors import register_error_handlers
 from api.services import EXTENSION, Services
-from api.sock import sock
 from api.streams import RelayHub
 from config import Settings, load_catalog, load_settings
 from db.accounts import Accounts
@@ -76,7 +76,14 @@ def create_app(settings: Settings | None = None) -> Flask:
         socket_keepalive=True,
     )
     client = redis.Redis.from_pool(pool)
-    db = Database(settings.database_url)
+    # Streams hold no connection while they wait (each query takes one and gives it
+    # back), so a small pool serves thousands of them; Postgres' own limit is shared
+    # by every process of the farm.
+    db = Database(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
+    )
     events = EventLog(client, settings)
     app.extensions[EXTENSION] = Services(
         settings=settings,
@@ -90,7 +97,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         celery=configure(settings),
     )
     origins.init_app(app)  # before any route: a refused origin runs nothing
-    sock.init_app(app)
+    sock.init_app(app)  # websockets' sockets write whole frames, one writer at a time
     for blueprint in (health.bp, catalog.bp, jobs.bp):
         app.register_blueprint(blueprint)
     app.register_blueprint(chats.bp)
