@@ -15,6 +15,7 @@ import redis
 from celery import Celery
 from flask import current_app
 
+from api.streamcaps import StreamCaps
 from api.streams import RelayHub
 from config import Catalog, Settings
 from db.accounts import Accounts
@@ -42,12 +43,14 @@ class Services:
     events: EventLog
     hub: RelayHub
     celery: Celery
+    caps: StreamCaps
     background: list[Background] = field(default_factory=list)
 
     def close(self) -> None:
         for loop in self.background:
             loop.stop()
         self.hub.stop()
+        self.caps.stop()
         self.db.dispose()
         self.redis.close()
 

@@ -270,11 +270,12 @@ class Settings(BaseModel):
         ),
     )
     token_cache_s: float = Field(
-        default=30.0,
+        default=1.0,
         ge=0,
+        le=60,
         description=(
-            "Seconds an API process keeps a token's lookup; a revocation reaches every "
-            "process within a second through Redis pub/sub. 0: look up every request."
+            "Seconds an API process keeps a valid token's lookup; a revocation, expiry or "
+            "role change takes effect within it. 0: look the token up on every request."
         ),
     )
     ws_token_check_s: float = Field(
