@@ -382,8 +382,14 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 
 
 def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
-    """The row's final event if ``job_id`` has ended in the database, else None."""
-    job = services().jobs.get(job_id)
+    """The row's final event if ``job_id`` has ended in the database, else None.
+
+    The row is read at most once per :data:`RECORD_CHECK_S` per job in this
+    process, however many streams follow the job.
+    """
+    svc = services()
+    found = svc.rows.get(f"job:{job_id}", RECORD_CHECK_S, lambda: svc.jobs.get(job_id))
+    job = found if isinstance(found, Job) else None
     if job is None or not JobStatus(job.status).final:
         return None
     seq = max(last, services().events.last_seq(job_id)) + 1

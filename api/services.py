@@ -8,6 +8,9 @@ gunicorn can fork safely).
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +35,34 @@ class Background(Protocol):
     def stop(self) -> None: ...
 
 
+class RowCache:
+    """Job rows read by streams, shared by every stream of a job in this process.
+
+    Ten thousand quiet streams each re-reading their job's row would be
+    thousands of queries a second and would empty the connection pool; a few
+    hundred jobs' rows, each read at most once per ``max_age``, are not.
+    """
+
+    MAX_ROWS = 20_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, tuple[float, object]] = {}
+
+    def get(self, key: str, max_age: float, load: Callable[[], object]) -> object:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._rows.get(key)
+        if hit is not None and now - hit[0] < max_age:
+            return hit[1]
+        value = load()
+        with self._lock:
+            if len(self._rows) >= self.MAX_ROWS:
+                self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
+            self._rows[key] = (time.monotonic(), value)
+        return value
+
+
 @dataclass
 class Services:
     settings: Settings
@@ -44,6 +75,7 @@ class Services:
     hub: RelayHub
     celery: Celery
     caps: StreamCaps
+    rows: RowCache = field(default_factory=RowCache)
     background: list[Background] = field(default_factory=list)
 
     def close(self) -> None:
