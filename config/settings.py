@@ -201,7 +201,10 @@ class Settings(BaseModel):
         default=64,
         ge=2,
         le=4096,
-        description="Threads per gunicorn worker: each open websocket or SSE stream holds one.",
+        description=(
+            "Threads per gunicorn worker under api_worker_class 'gthread', where each open "
+            "websocket or SSE stream holds one (unused by 'gevent')."
+        ),
     )
     api_workers: int = Field(default=2, ge=1, le=64, description="gunicorn worker processes.")
     api_worker_class: Literal["gevent", "gthread"] = Field(
