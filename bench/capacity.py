@@ -32,6 +32,7 @@ import asyncio
 import base64
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -469,6 +470,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM (timeout, Ctrl-C's cousin) must still stop the farm's processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = load_settings()
     services(args, base)
     limit = raise_open_files_limit()
