@@ -135,6 +135,11 @@ class Accounts:
         # per request would turn every read of the API into a write.
         self.touch_interval = timedelta(seconds=touch_interval_s)
 
+    def forget_tokens(self) -> None:
+        """Empty the token cache: the next lookup of every token reads the database."""
+        with self._cache_lock:
+            self._cache.clear()
+
     def has_users(self) -> bool:
         with self.db.session() as s:
             return s.execute(select(User.id).limit(1)).first() is not None
@@ -188,6 +193,7 @@ class Accounts:
 
         Raises :class:`UnknownUser`.
         """
+        self.forget_tokens()
         with self.db.session() as s:
             user = s.execute(select(User).where(User.name == name)).scalar_one_or_none()
             if user is None:
@@ -257,7 +263,12 @@ class Accounts:
             ).scalar_one_or_none()
 
     def revoke(self, token_id: int) -> bool:
-        """Revoke a token; False if there is no such token or it was revoked already."""
+        """Revoke a token; False if there is no such token or it was revoked already.
+
+        This object's token cache forgets every token at once; other processes'
+        caches within their ``cache_s``.
+        """
+        self.forget_tokens()
         with self.db.session() as s:
             result = s.execute(
                 update(ApiToken)
