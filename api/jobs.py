@@ -384,11 +384,17 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
     """The row's final event if ``job_id`` has ended in the database, else None.
 
-    The row is read at most once per :data:`RECORD_CHECK_S` per job in this
-    process, however many streams follow the job.
+    A row that has not ended is read at most once per :data:`RECORD_CHECK_S`
+    per job in this process, however many streams follow the job; an ended
+    one is never taken from that cache (a final answer comes from a fresh read).
     """
     svc = services()
-    found = svc.rows.get(f"job:{job_id}", RECORD_CHECK_S, lambda: svc.jobs.get(job_id))
+    found = svc.rows.get(
+        f"job:{job_id}",
+        RECORD_CHECK_S,
+        lambda: svc.jobs.get(job_id),
+        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
+    )
     job = found if isinstance(found, Job) else None
     if job is None or not JobStatus(job.status).final:
         return None

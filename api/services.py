@@ -49,13 +49,23 @@ class RowCache:
         self._lock = threading.Lock()
         self._rows: dict[str, tuple[float, object]] = {}
 
-    def get(self, key: str, max_age: float, load: Callable[[], object]) -> object:
+    def get(
+        self,
+        key: str,
+        max_age: float,
+        load: Callable[[], object],
+        keep: Callable[[object], bool] = lambda _value: True,
+    ) -> object:
+        """The value of ``key`` loaded at most ``max_age`` seconds ago, else ``load()``'s
+        (kept for the next callers only when ``keep(value)``)."""
         now = time.monotonic()
         with self._lock:
             hit = self._rows.get(key)
         if hit is not None and now - hit[0] < max_age:
             return hit[1]
         value = load()
+        if not keep(value):
+            return value
         with self._lock:
             if len(self._rows) >= self.MAX_ROWS:
                 self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
