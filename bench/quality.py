@@ -118,7 +118,8 @@ def measure_quality(
     """Rows for each ``(name, dtype, quantization)``; the first is the reference.
 
     ``model`` is the float32 transformers model (e.g. ``LoadedModel.model``
-    of the float32 load); it is cast per format and put back in float32.
+    of the float32 load); it is cast per format, each time from its original
+    float32 weights, and left as it was.
     """
     import torch
 
@@ -128,8 +129,12 @@ def measure_quality(
     text_ids = list(tokenizer(TEXT.read_text(encoding="utf-8"))["input_ids"])[:TEXT_TOKENS]
     encoded = _prompt_ids(tokenizer, prompts or PROMPTS)
     rows: list[QualityRow] = []
+    # A cast to a half dtype and back loses the float32 weights' low bits: each
+    # format starts from a copy of the original ones.
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
         for name, dtype, quantization in formats:
+            model.load_state_dict(original)
             model.to(getattr(torch, dtype))
             with torch.inference_mode():
                 runtime = LlamaRuntime(model, quantization=quantization)
@@ -147,6 +152,7 @@ def measure_quality(
             )
     finally:
         model.to(torch.float32)
+        model.load_state_dict(original)
     return rows
 
 

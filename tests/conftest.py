@@ -39,12 +39,16 @@ def real_services() -> None:
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real catalog plus ``tiny-late``, a model no worker serves until a test starts one."""
+    """The real catalog plus test models: ``tiny-late``, a model no worker serves until a test
+    starts one, and the others described below."""
     folder = tmp_path_factory.mktemp("models")
     for path in (PROJECT_ROOT / "config" / "models").glob("*.yaml"):
         shutil.copy(path, folder / path.name)
     late = (folder / "tiny-random.yaml").read_text().replace("name: tiny-random", "name: tiny-late")
     (folder / "tiny-late.yaml").write_text(late)
+    # tiny-handover: served only by the in-process runners of test_handover.py.
+    handover = late.replace("name: tiny-late", "name: tiny-handover")
+    (folder / "tiny-handover.yaml").write_text(handover)
     # tiny-recovery: long generations, so a test can kill its worker mid-job.
     tiny = (folder / "tiny-random.yaml").read_text()
     recovery = tiny.replace("name: tiny-random", "name: tiny-recovery")

@@ -17,6 +17,13 @@ continuing is impossible, a ``restart`` event (``reason``) says the output
 starts again: prompt plus output do not fit the engine's context, or the
 stream's history is incomplete (expired, or lost with Redis).
 
+A later attempt's ``started`` is written in one append with the event that
+follows it (``resumed``, ``restart`` or ``error``), so the stream never holds
+the one without the other: a worker killed between two writes would leave an
+attempt that said it started but not what it continued, and the next
+attempt's ``resumed`` would name that worker, which carried nothing, as the
+previous one. A first run writes ``started`` at once.
+
 Fencing: right after the claim, the attempt takes the stream
 (:meth:`EventLog.take`) before it reads the history, and writes only while it
 holds it. A worker taken for lost while it still runs (a long pause) can then
@@ -124,6 +131,16 @@ class _Stream:
     pending: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_since: float = 0.0
+    held: list[JobEvent] = field(default_factory=list)
+
+    def hold(self, kind: str, **fields: Any) -> None:
+        """Number an event now and write it with the next write, in the same append."""
+        self.held.append(self._event(kind, fields))
+
+    def release(self) -> None:
+        """Write the held events now."""
+        if self.held:
+            self._write([])
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.flush()
@@ -150,6 +167,7 @@ class _Stream:
     def _write(self, events: list[JobEvent]) -> None:
         # A write that half-happened before an error repeats a seq, which every
         # reader skips.
+        events, self.held = [*self.held, *events], []
         if self.owner is None:
             retry_redis(
                 self.job_id, "publish events", lambda: self.events.append(self.job_id, events)
@@ -234,7 +252,8 @@ class JobRunner:
             history = retry_redis(job_id, "read its stream", lambda: self.events.history(job_id))
             next_seq = max(history[-1].seq + 1 if history else 0, 1)
             stream = _Stream(self.events, job_id, next_seq, owner=owner)
-            stream.emit("started", attempt=job.attempts, worker=self.worker_id)
+            # Written with what follows it (module docstring).
+            stream.hold("started", attempt=job.attempts, worker=self.worker_id)
             try:
                 self._generate(job, stream, StreamedOutput.of(history))
             except StreamTaken:
@@ -289,7 +308,8 @@ class JobRunner:
         params = sampling_params(self.definition, job.params)
         fresh = GenerationRequest(job.id, prompt_ids, params)
         if before.attempts == 0 and (before.whole or job.attempts <= 1):
-            return self.engine.submit(fresh)  # a first run
+            stream.release()  # a first run: `started` goes out at once
+            return self.engine.submit(fresh)
         if not before.whole:
             self._restart(job, stream, "the stream's history is incomplete")
             return self.engine.submit(fresh)
@@ -380,14 +400,19 @@ class JobRunner:
                 first = first_token_at is None and bool(event.text)
                 if first:
                     first_token_at = datetime.now(UTC)
-                if batch is not None and last_token_t is not None:
+                gap = None if last_token_t is None else now - last_token_t
+                if batch is not None and gap is not None:
                     # A chunk of n tokens after `gap` seconds: n tokens of gap/n each.
                     n = max(1, len(event.token_ids))
                     for _ in range(n):
-                        batch.observe(m.INTER_TOKEN_LATENCY, labels, (now - last_token_t) / n)
+                        batch.observe(m.INTER_TOKEN_LATENCY, labels, gap / n)
                 last_token_t = now
                 stream.add_text(event.text, event.token_ids)
-                if first:  # time-to-first-token is what a user feels: never coalesce it
+                # Time-to-first-token is what a user feels: never coalesce it. Nor
+                # wait when the engine's steps are slower than the window (a big
+                # batch): no other token would join this one, the wait only delays
+                # it and costs a wake-up.
+                if first or (gap is not None and gap >= coalesce_s):
                     stream.flush()
             elif isinstance(event, FinishEvent):
                 stream.flush()

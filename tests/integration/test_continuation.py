@@ -109,8 +109,14 @@ class Killer:
         return self.job_id
 
 
-def check_continued(settings: Settings, job_id: str, victim: str | None) -> None:
-    """The job's stream is gapless with one ``resumed`` after its second start."""
+def check_continued(
+    settings: Settings, job_id: str, victim: str | None, max_new: int | None = MAX_NEW
+) -> None:
+    """The job's stream is gapless with one ``resumed`` after its second start.
+
+    ``max_new``: the completion tokens the job must have counted (None: not checked,
+    for a sampled job that may draw its end of sequence early).
+    """
     events = EventLog(redis.Redis.from_url(settings.redis_url), settings)
     history = events.history(job_id)
     assert [e.seq for e in history] == list(range(len(history)))
@@ -123,7 +129,8 @@ def check_continued(settings: Settings, job_id: str, victim: str | None) -> None
     assert resumed.fields["tokens"] >= 3
     job = JobStore(Database(settings.database_url)).get(job_id)
     assert job is not None and job.status == "succeeded" and job.attempts == 2
-    assert job.completion_tokens == MAX_NEW
+    if max_new is not None:
+        assert job.completion_tokens == max_new
 
 
 def run_killed(
@@ -252,6 +259,64 @@ def test_a_killed_worker_is_invisible_to_the_client(
     text, job_id, victim = run_killed(migrated, pool, lambda: call(api_url, user_token))
     assert text == reference
     check_continued(migrated, job_id, victim)
+
+
+# Sampled, not greedy: each draw is seeded, so an uninterrupted run is reproducible.
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+
+
+def openai_chat_stream_seeded(api_url: str, token: str) -> str:
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key=token, max_retries=0, timeout=180)
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=MAX_NEW,
+        stream=True,
+        **SEEDED,  # type: ignore[arg-type]
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def native_sse_seeded(api_url: str, token: str) -> str:
+    body = {"model": MODEL, "messages": CHAT, "params": {"max_new_tokens": MAX_NEW, **SEEDED}}
+    r = requests.post(f"{api_url}/v1/jobs", json=body, headers=auth(token), timeout=30)
+    assert r.status_code == 202, r.text
+    events = farm.sse_events(api_url, r.json()["id"], token, timeout=180)
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    text = "".join(e["text"] for e in events if e["type"] == "token")
+    assert events[-1]["type"] == "done" and events[-1]["text"] == text
+    return text
+
+
+SEEDED_CLIENTS = {
+    "openai-chat-stream": openai_chat_stream_seeded,
+    "native-sse": native_sse_seeded,
+}
+
+
+@pytest.mark.parametrize("name", list(SEEDED_CLIENTS))
+def test_a_killed_worker_is_invisible_to_a_seeded_sampled_stream(
+    name: str, api_url: str, user_token: str, migrated: Settings, pool: Pool
+) -> None:
+    """A sampled job (temperature > 0, a seed) killed mid-stream continues with the
+    draws the uninterrupted run made: the engine replays the carried tokens one a
+    step, so the request's random stream is where it was when the worker died."""
+    call = SEEDED_CLIENTS[name]
+    pool.ensure(2)
+    reference = call(api_url, user_token)
+    assert reference and reference == call(api_url, user_token)  # the seed decides
+    # It is sampled: the greedy answer to the same question is another text.
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key=user_token, max_retries=0)
+    greedy = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+    )
+    assert not reference.startswith(greedy.choices[0].message.content or "")
+    text, job_id, victim = run_killed(migrated, pool, lambda: call(api_url, user_token))
+    assert text == reference
+    check_continued(migrated, job_id, victim, max_new=None)
 
 
 def test_an_answer_that_cannot_continue_ends_the_openai_stream_with_an_error(
