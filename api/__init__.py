@@ -11,6 +11,7 @@ import logging
 
 import redis
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import (
     admin,
@@ -25,6 +26,7 @@ from api import (
     operations,
     origins,
     scaling,
+    sock,
     tgi,
     tokenizer,
     web,
@@ -32,7 +34,7 @@ from api import (
 from api.auth import SUBPROTOCOL
 from api.errors import register_error_handlers
 from api.services import EXTENSION, Services
-from api.sock import sock
+from api.streamcaps import StreamCaps
 from api.streams import RelayHub
 from config import Settings, load_catalog, load_settings
 from db.accounts import Accounts
@@ -76,21 +78,33 @@ def create_app(settings: Settings | None = None) -> Flask:
         socket_keepalive=True,
     )
     client = redis.Redis.from_pool(pool)
-    db = Database(settings.database_url)
+    # Streams hold no connection while they wait (each query takes one and gives it
+    # back), so a small pool serves thousands of them; Postgres' own limit is shared
+    # by every process of the farm.
+    db = Database(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
+    )
     events = EventLog(client, settings)
     app.extensions[EXTENSION] = Services(
         settings=settings,
         catalog=load_catalog(settings.models_dir),
         db=db,
         jobs=JobStore(db),
-        accounts=Accounts(db, touch_interval_s=settings.token_touch_interval_s),
+        accounts=Accounts(
+            db,
+            touch_interval_s=settings.token_touch_interval_s,
+            cache_s=settings.token_cache_s,
+        ),
         redis=client,
         events=events,
         hub=RelayHub(client, events, settings),
         celery=configure(settings),
+        caps=StreamCaps(client, settings),
     )
     origins.init_app(app)  # before any route: a refused origin runs nothing
-    sock.init_app(app)
+    sock.init_app(app)  # websockets' sockets write whole frames, one writer at a time
     for blueprint in (health.bp, catalog.bp, jobs.bp):
         app.register_blueprint(blueprint)
     app.register_blueprint(chats.bp)
@@ -101,4 +115,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     metrics.init_app(app)
     operations.init_app(app, app.extensions[EXTENSION])
     register_error_handlers(app)
+    if settings.api_trusted_proxies:
+        # The client's address (limits, stream caps) and scheme come from the
+        # last N hops of X-Forwarded-*: those the trusted proxies appended.
+        hops = settings.api_trusted_proxies
+        app.wsgi_app = ProxyFix(  # type: ignore[method-assign]
+            app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops, x_port=hops
+        )
     return app

@@ -13,6 +13,8 @@ credential expects it to be used.
 
 from __future__ import annotations
 
+import time
+
 from flask import request
 
 from api.errors import Forbidden, Unauthorized
@@ -78,3 +80,29 @@ def require_role(*roles: str) -> Principal:
 def client_address() -> str:
     """The client's address, for the limits of callers without a token."""
     return request.remote_addr or ""
+
+
+# The websocket close code and reason for a socket whose token stopped being valid.
+CLOSE_TOKEN_INVALID = 1008
+CLOSE_TOKEN_INVALID_REASON = "the API token was revoked or has expired"
+
+
+class TokenRecheck:
+    """A long-lived connection's token, looked up again every ``every_s`` seconds.
+
+    A revoked or expired token ends the connection within ``every_s`` plus the
+    token cache's life (``token_cache_s``). A connection without a token has
+    nothing to re-check.
+    """
+
+    def __init__(self, token: str | None, every_s: float) -> None:
+        self.token = token
+        self.every_s = every_s
+        self._next = time.monotonic() + every_s
+
+    def valid(self) -> bool:
+        """False once the token no longer authenticates (checked at most every ``every_s``)."""
+        if self.token is None or time.monotonic() < self._next:
+            return True
+        self._next = time.monotonic() + self.every_s
+        return services().accounts.authenticate(self.token) is not None

@@ -1,29 +1,40 @@
 """gunicorn settings for the API, from Switchyard's settings.
 
-The ``gthread`` worker: each websocket or SSE stream holds a thread for its
-life, which flask-sock supports without monkey-patching, so psycopg2, redis-py
-and Celery's producer stay ordinary blocking libraries. Capacity is
-``api_workers × api_threads`` concurrent streams (128 by default).
+The ``gevent`` worker by default: every request, websocket and SSE stream is a
+greenlet (a few KiB and no OS thread), so one process holds thousands of
+streams; ``api_worker_connections`` bounds them per process. gunicorn patches
+the standard library before the app is imported, so redis-py, Celery's
+producer and simple-websocket's reader "threads" cooperate; psycopg2 is made
+to cooperate in :func:`post_fork` (psycogreen). ``SWITCHYARD_API_WORKER_CLASS=
+gthread`` goes back to a thread per stream (``api_workers x api_threads``
+streams). Measured in bench/LOAD.md: 10,000 streams on one host under gevent,
+where gthread would need 10,000 threads.
 """
 
 import logging
+import resource
 
 from config import load_settings
 
 _settings = load_settings()
 
 bind = f"{_settings.api_host}:{_settings.api_port}"
-worker_class = "gthread"
+worker_class = _settings.api_worker_class
 workers = _settings.api_workers
-threads = _settings.api_threads
-# gthread accepts at most worker_connections clients per process (default 1000),
-# threads or not: keep it at least the thread count so every thread can stream.
-worker_connections = max(1000, _settings.api_threads * 2)
-# Long-lived streams must not be killed as "silent" workers; a request's own
-# thread keeps the worker's heartbeat alive in gthread, so 30 s is enough.
+if worker_class == "gthread":
+    threads = _settings.api_threads
+    # gthread accepts at most worker_connections clients per process (default
+    # 1000), threads or not: keep it at least the thread count.
+    worker_connections = max(1000, _settings.api_threads * 2)
+else:
+    worker_connections = _settings.api_worker_connections
+# Long-lived streams must not be killed as "silent" workers; gevent's and
+# gthread's main loops keep the heartbeat alive while streams wait, so 30 s is enough.
 timeout = 30
 graceful_timeout = 20
 keepalive = 5
+# A burst of thousands of connections must queue in the kernel, not be refused.
+backlog = 4096
 accesslog = "-"
 # The path without its query string: a browser may pass ?token=… and secrets
 # never belong in a log.
@@ -52,5 +63,25 @@ class _SlowClientRecord(logging.Filter):
         return True
 
 
+def _raise_open_files(wanted: int) -> None:
+    """Raise this process's soft limit of open files towards ``wanted`` (at most the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def on_starting(_server: object) -> None:
+    # Every stream is a socket: room for them plus the process's own files.
+    _raise_open_files(worker_connections + 1024)
+
+
 def post_fork(_server: object, _worker: object) -> None:
     logging.getLogger("gunicorn.error").addFilter(_SlowClientRecord())
+    _raise_open_files(worker_connections + 1024)
+    if worker_class == "gevent":
+        # psycopg2 waits for Postgres in C; psycogreen's wait callback makes it
+        # yield to other greenlets instead of blocking the whole process.
+        from psycogreen.gevent import patch_psycopg
+
+        patch_psycopg()

@@ -25,7 +25,15 @@ from kombu.exceptions import OperationalError as BrokerError
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
 
-from api.auth import client_address, optional_principal, require_principal
+from api.auth import (
+    CLOSE_TOKEN_INVALID,
+    CLOSE_TOKEN_INVALID_REASON,
+    TokenRecheck,
+    client_address,
+    optional_principal,
+    presented_token,
+    require_principal,
+)
 from api.disclosure import event_for, public_error, sees_internals
 from api.errors import (
     ApiError,
@@ -374,8 +382,20 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 
 
 def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
-    """The row's final event if ``job_id`` has ended in the database, else None."""
-    job = services().jobs.get(job_id)
+    """The row's final event if ``job_id`` has ended in the database, else None.
+
+    A row that has not ended is read at most once per :data:`RECORD_CHECK_S`
+    per job in this process, however many streams follow the job; an ended
+    one is never taken from that cache (a final answer comes from a fresh read).
+    """
+    svc = services()
+    found = svc.rows.get(
+        f"job:{job_id}",
+        RECORD_CHECK_S,
+        lambda: svc.jobs.get(job_id),
+        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
+    )
+    job = found if isinstance(found, Job) else None
     if job is None or not JobStatus(job.status).final:
         return None
     seq = max(last, services().events.last_seq(job_id)) + 1
@@ -582,7 +602,9 @@ def job_events(job_id: str) -> Response:
     principal = optional_principal(allow_query=True)
     job = visible_job(job_id, principal)
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
-    settings = services().settings
+    svc = services()
+    settings = svc.settings
+    stream = svc.caps.take(principal, client_address())  # 429/503 past the stream caps
     events = follow_job(
         job, after, idle_s=settings.stream_keepalive_s, full=sees_internals(principal)
     )
@@ -598,8 +620,12 @@ def job_events(job_id: str) -> Response:
         finally:
             # Also when a write timed out: the job runs on, Last-Event-ID resumes.
             events.close()
+            svc.caps.release(stream)
 
-    return sse_response(generate(), settings.ws_send_timeout_s)
+    response = sse_response(generate(), settings.ws_send_timeout_s)
+    # Also when the body never started (the client left first).
+    response.call_on_close(lambda: svc.caps.release(stream))
+    return response
 
 
 def job_socket(ws: Any, job_id: str) -> None:
@@ -608,27 +634,61 @@ def job_socket(ws: Any, job_id: str) -> None:
     A client that does not take a frame within ``ws_send_timeout_s``, or falls
     ``relay_max_buffered_events`` behind, is closed with 4008 "client too slow".
     A client that left is noticed within ``stream_keepalive_s`` even while the
-    job is quiet (queued), so its thread is not held until the job ends.
+    job is quiet (queued), so its greenlet is not held until the job ends.
+    Past the stream caps (api/streamcaps.py) the socket gets an ``error`` frame
+    and is closed with 4029 (the caller's streams) or 1013 (the server's); a
+    token revoked or expired while the socket is open closes it with 1008.
     """
+    svc = services()
     try:
         principal = optional_principal(allow_query=True)
         job = visible_job(job_id, principal)
         after = _after_param(request.args.get("after"))
+        stream = svc.caps.take(principal, client_address())
     except ApiError as exc:
-        ws.send(json.dumps({"type": "error", **exc.body(), "status": exc.status}))
-        ws.close(
-            reason=1008 if exc.status in (401, 403) else 4000 + exc.status,
-            message=exc.message[:120],
-        )
+        refuse_socket(ws, exc)
         return
+    try:
+        _relay_job(ws, job, after, principal)
+    finally:
+        svc.caps.release(stream)
+
+
+def refuse_socket(ws: Any, exc: ApiError) -> None:
+    """Answer a websocket that may not stream with an ``error`` frame and a close code
+    that says why: 1008 (auth), the cap's (stream caps), 4000 + the status otherwise."""
+    frame = {"type": "error", **exc.body(), "status": exc.status}
+    retry = exc.headers.get("Retry-After")
+    if retry is not None:
+        frame["retry_after"] = int(retry)
+    code = getattr(exc, "close_code", None)
+    if code is None:
+        code = 1008 if exc.status in (401, 403) else 4000 + exc.status
+    with contextlib.suppress(ConnectionClosed, SlowClient):
+        send_frame(ws, json.dumps(frame), services().settings.ws_send_timeout_s)
+    close_socket(ws, code, exc.message[:120])
+
+
+def close_socket(ws: Any, code: int, message: str) -> None:
+    """Close ``ws`` with ``code`` (the close frame written whole, after every frame before
+    it); a socket the client closed first is left alone."""
+    with contextlib.suppress(ConnectionClosed, OSError):
+        ws.close(reason=code, message=message)
+
+
+def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> None:
     settings = services().settings
     timeout_s = settings.ws_send_timeout_s
     watch = LagWatch()
+    recheck = TokenRecheck(presented_token(allow_query=True), settings.ws_token_check_s)
     try:
         full = sees_internals(principal)
         for event in follow_job(
             job, after, idle_s=settings.stream_keepalive_s, watch=watch, full=full
         ):
+            if not recheck.valid():
+                close_socket(ws, CLOSE_TOKEN_INVALID, CLOSE_TOKEN_INVALID_REASON)
+                return
             if event is None:
                 if not ws.connected:  # gone (or closed for a too big message) meanwhile
                     return
@@ -638,20 +698,18 @@ def job_socket(ws: Any, job_id: str) -> None:
         return
     except SlowClient as exc:
         # The job runs on; the client may re-attach with ?after=<seq>.
-        log.info("websocket of job %s dropped: %s", job_id, exc)
+        log.info("websocket of job %s dropped: %s", job.id, exc)
         drop_laggard(ws, exc)
         return
     except Exception:
         # Past the handshake, an error response would be written into the
         # websocket as garbage frames: close with 1011 (internal error)
         # instead; the client may re-attach with ?after=<seq>.
-        log.exception("websocket of job %s failed", job_id)
-        with contextlib.suppress(Exception):
-            ws.close(reason=1011, message="internal error")
+        log.exception("websocket of job %s failed", job.id)
+        close_socket(ws, 1011, "internal error")
         return
     # The client may close first, on reading `done`: its socket is gone then.
-    with contextlib.suppress(ConnectionClosed, OSError):
-        ws.close(reason=1000, message="done")
+    close_socket(ws, 1000, "done")
 
 
 sock.route("/v1/jobs/<job_id>/ws", bp=bp)(

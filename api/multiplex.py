@@ -30,7 +30,13 @@ instead. A client that reads too slowly is closed with 4008, as on a job's socke
 Authentication is the connection's: the ``Authorization`` header, the
 ``bearer.<token>`` subprotocol (browsers: ``new WebSocket(url, ["switchyard",
 "bearer." + token])``) or a ``token`` query parameter. A socket without a token
-may only use public models; a bad token closes the socket (1008).
+may only use public models, and is closed with 4408 "idle" after
+``ws_anonymous_idle_s`` with no job running; a bad token closes the socket
+(1008), and so does a token revoked or expired while the socket is open
+(checked every ``ws_token_check_s``). Past the open-stream caps (per user, per
+address without a token, per API process) the socket gets an ``error`` frame
+(``too_many_streams`` or ``overloaded``, with ``retry_after``) and is closed
+with 4029 or 1013.
 
 Closing the socket cancels its unfinished jobs, except those sent with
 ``"detach": true``: they run on, and ``/v1/jobs/<job_id>/ws`` re-attaches.
@@ -49,10 +55,17 @@ from flask import Blueprint, Flask, current_app
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from simple_websocket import ConnectionClosed
 
-from api.auth import optional_principal
+from api.auth import (
+    CLOSE_TOKEN_INVALID,
+    CLOSE_TOKEN_INVALID_REASON,
+    TokenRecheck,
+    client_address,
+    optional_principal,
+    presented_token,
+)
 from api.disclosure import sees_internals
 from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
-from api.jobs import cancel, follow_job, submit_job
+from api.jobs import cancel, follow_job, refuse_socket, submit_job
 from api.limits import RateLimited
 from api.openapi import spec
 from api.schemas import JobRequest, field_name, reject_nul
@@ -74,6 +87,10 @@ MAX_ID = 64
 # The close code and reason for a client that keeps sending past its rate.
 CLOSE_FLOOD = 1008
 CLOSE_FLOOD_REASON = "too many messages"
+# The close code and reason for a socket without a token left idle
+# (ws_anonymous_idle_s with no job running); 4408 mirrors HTTP 408.
+CLOSE_IDLE = 4408
+CLOSE_IDLE_REASON = "idle"
 
 
 def event_frame(event: JobEvent, request_id: str, job_id: str) -> dict[str, Any]:
@@ -321,6 +338,18 @@ class Session:
             self.send(event_frame(event, req.id, req.job.id))
         return True
 
+    @property
+    def busy(self) -> bool:
+        """True while one of the socket's jobs has not finished."""
+        with self._lock:
+            return any(not req.finished.is_set() for req in self._requests.values())
+
+    def close_with(self, code: int, reason: str) -> None:
+        """Close the socket with ``code`` now (after any frame being written)."""
+        self.closed.set()
+        with self._send_lock:
+            close_now(self.ws, code, reason)
+
     def close(self) -> None:
         """The socket is gone: cancel what is not detached, stop every relay."""
         self.closed.set()
@@ -344,19 +373,43 @@ def _parse(schema: type[GenerateFrame] | type[CancelFrame], data: dict[str, Any]
 
 
 def multiplex(ws: Any) -> None:
+    svc = services()
     try:
         principal = optional_principal(allow_query=True)
+        stream = svc.caps.take(principal, client_address())
     except ApiError as exc:
-        ws.send(json.dumps({"type": "error", "id": None, **exc.body(), "status": exc.status}))
-        ws.close(reason=1008, message=exc.message[:120])
+        refuse_socket(ws, exc)
         return
+    try:
+        _serve(ws, principal)
+    finally:
+        svc.caps.release(stream)
+
+
+def _serve(ws: Any, principal: Principal | None) -> None:
+    settings = services().settings
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     session = Session(ws, app, principal)
+    recheck = TokenRecheck(presented_token(allow_query=True), settings.ws_token_check_s)
+    idle_since = time.monotonic()
     try:
         while not session.closed.is_set():
-            raw = ws.receive()
-            if raw is None:
+            raw = ws.receive(timeout=min(settings.ws_token_check_s, settings.ws_anonymous_idle_s))
+            if not recheck.valid():
+                session.close_with(CLOSE_TOKEN_INVALID, CLOSE_TOKEN_INVALID_REASON)
                 break
+            if raw is None:
+                if not ws.connected:
+                    break
+                if session.busy:
+                    idle_since = time.monotonic()
+                elif principal is None and time.monotonic() - idle_since >= (
+                    settings.ws_anonymous_idle_s
+                ):
+                    session.close_with(CLOSE_IDLE, CLOSE_IDLE_REASON)
+                    break
+                continue
+            idle_since = time.monotonic()
             session.handle(raw)
     except ConnectionClosed:
         pass

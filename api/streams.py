@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import select
 import socket
 import threading
 import time
@@ -38,6 +37,7 @@ from flask import Response, request, stream_with_context
 from simple_websocket import ConnectionClosed
 from wsproto.events import CloseConnection, TextMessage
 
+from api.wire import WriteTimeout, wire_of
 from config import Settings
 from tasks.events import EventLog, JobEvent
 
@@ -52,8 +52,6 @@ SUBSCRIBE_WAIT_S = 1.0
 # (4000-4999 is the application range).
 CLOSE_TOO_SLOW = 4008
 CLOSE_TOO_SLOW_REASON = "client too slow"
-# How long a blocked send sleeps between two looks at its give-up condition, in seconds.
-SEND_POLL_S = 0.1
 # How long a laggard's close frame may take to leave, in seconds: it is a courtesy,
 # the socket is shut down after it either way.
 CLOSE_WRITE_S = 1.0
@@ -321,16 +319,21 @@ def send_frame(
 ) -> None:
     """Send one text frame on a simple-websocket ``ws`` within ``timeout_s`` seconds.
 
-    simple-websocket's own ``send`` blocks for as long as the client does not
-    read; this writes the frame without blocking the socket for other threads,
-    and raises :class:`SlowClient` when the client has not taken it in time,
-    or as soon as ``give_up()`` is true while waiting. Raises
-    ``ConnectionClosed`` when the socket is closed.
+    The frame is encoded and written whole under the socket's write lock
+    (api/wire.py), so no other writer (another relay, simple-websocket's pings)
+    can cut into it. simple-websocket's own ``send`` blocks for as long as the
+    client does not read; this raises :class:`SlowClient` when the client has
+    not taken the frame in time, or as soon as ``give_up()`` is true while
+    waiting. Raises ``ConnectionClosed`` when the socket is closed.
     """
     if not ws.connected:
         raise ConnectionClosed(ws.close_reason, ws.close_message)
-    payload = ws.ws.send(TextMessage(data=data))
-    _write(ws.sock, payload, timeout_s, give_up)
+    try:
+        wire_of(ws).write(lambda: ws.ws.send(TextMessage(data=data)), timeout_s, give_up)
+    except WriteTimeout as exc:
+        raise SlowClient(str(exc), partial=exc.partial) from None
+    except OSError as exc:
+        raise ConnectionClosed(1006, str(exc)) from None
 
 
 def drop_laggard(ws: Any, reason: SlowClient) -> None:
@@ -342,44 +345,17 @@ def close_now(ws: Any, code: int, reason: str, *, partial: bool = False) -> None
     """Close ``ws`` with ``code`` without waiting on its client, and free it.
 
     The close frame goes out when it can within :data:`CLOSE_WRITE_S` (not at
-    all when ``partial``: a frame was cut short); the socket is shut down after
-    it either way, which ends simple-websocket's reader thread and any receive
-    waiting on it.
+    all when ``partial`` or the socket is broken: a frame was cut short); the
+    socket is shut down after it either way, which ends simple-websocket's
+    reader and any receive waiting on it.
     """
     if not ws.connected:
         return
     ws.connected = False
+    wire = wire_of(ws)
     if not partial:
-        try:
-            frame = ws.ws.send(CloseConnection(code, reason))
-            _write(ws.sock, frame, CLOSE_WRITE_S, None)
-        except Exception:  # the close frame is a courtesy to a socket that is going anyway
-            pass
+        # The close frame is a courtesy to a socket that is going anyway.
+        with contextlib.suppress(Exception):
+            wire.write(lambda: ws.ws.send(CloseConnection(code, reason)), CLOSE_WRITE_S)
     with contextlib.suppress(OSError):
-        ws.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _write(
-    sock: socket.socket, payload: bytes, timeout_s: float, give_up: Callable[[], bool] | None
-) -> None:
-    # MSG_DONTWAIT makes this one send non-blocking without changing the
-    # socket's mode, which simple-websocket's reader thread relies on.
-    view = memoryview(payload)
-    deadline = time.monotonic() + timeout_s
-    sent = 0
-    while sent < len(view):
-        try:
-            sent += sock.send(view[sent:], socket.MSG_DONTWAIT)
-            continue
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError as exc:
-            raise ConnectionClosed(1006, str(exc)) from None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise SlowClient(f"a frame waited over {timeout_s:g} s", partial=sent > 0)
-        if give_up is not None and give_up():
-            raise SlowClient("the subscription is lagging", partial=sent > 0)
-        poller = select.poll()
-        poller.register(sock, select.POLLOUT)
-        poller.poll(min(remaining, SEND_POLL_S) * 1000)
+        wire.raw.shutdown(socket.SHUT_RDWR)

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -201,9 +201,95 @@ class Settings(BaseModel):
         default=64,
         ge=2,
         le=4096,
-        description="Threads per gunicorn worker: each open websocket or SSE stream holds one.",
+        description=(
+            "Threads per gunicorn worker under api_worker_class 'gthread', where each open "
+            "websocket or SSE stream holds one (unused by 'gevent')."
+        ),
     )
     api_workers: int = Field(default=2, ge=1, le=64, description="gunicorn worker processes.")
+    api_worker_class: Literal["gevent", "gthread"] = Field(
+        default="gevent",
+        description=(
+            "gunicorn worker class: 'gevent' (a stream is a greenlet of a few KiB) or "
+            "'gthread' (a stream holds one of api_threads threads)."
+        ),
+    )
+    api_worker_connections: int = Field(
+        default=10_000,
+        ge=10,
+        le=100_000,
+        description=(
+            "Open connections (streams included) per gevent API process; with api_workers "
+            "processes a host holds api_workers x this."
+        ),
+    )
+    api_trusted_proxies: int = Field(
+        default=0,
+        ge=0,
+        le=10,
+        description=(
+            "Reverse proxies in front of the API whose X-Forwarded-For/-Proto/-Host are "
+            "trusted (Werkzeug's ProxyFix); 0: the connecting address is the client's."
+        ),
+    )
+    db_pool_size: int = Field(
+        default=10, ge=1, le=200, description="Database connections kept open per process."
+    )
+    db_max_overflow: int = Field(
+        default=10,
+        ge=0,
+        le=200,
+        description="Database connections a process may open beyond db_pool_size under load.",
+    )
+    streams_per_process: int = Field(
+        default=8000,
+        ge=1,
+        description=(
+            "Open websocket and SSE streams per API process; past it a new stream gets 503 "
+            "(SSE) or close code 1013 'try again later' (websocket)."
+        ),
+    )
+    streams_per_user: int = Field(
+        default=2000,
+        ge=0,
+        description=(
+            "Open websocket and SSE streams per user (admins: no limit) across the API; "
+            "0: no limit."
+        ),
+    )
+    streams_per_address: int = Field(
+        default=100,
+        ge=0,
+        description=(
+            "Open websocket and SSE streams without a token per client address; 0: no limit."
+        ),
+    )
+    ws_anonymous_idle_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Seconds a /v1/ws socket without a token may stay open with no job running "
+            "before it is closed (1000 'idle')."
+        ),
+    )
+    token_cache_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description=(
+            "Seconds an API process keeps a valid token's lookup; a revocation, expiry or "
+            "role change takes effect within it. 0: look the token up on every request."
+        ),
+    )
+    ws_token_check_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description=(
+            "Seconds between two checks of an open websocket's token: a revoked or "
+            "expired token closes the socket (1008)."
+        ),
+    )
     scaler_interval_s: float = Field(
         default=5.0,
         gt=0,

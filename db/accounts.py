@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -19,6 +21,8 @@ from db.schema import ApiToken, Role, User, utcnow
 from db.session import Database
 
 TOKEN_PREFIX = "sy_"
+# Valid tokens an API process keeps in its lookup cache at most.
+MAX_CACHED_TOKENS = 10_000
 
 
 class AccountError(ValueError):
@@ -51,6 +55,7 @@ class Principal:
     token_id: int
     max_concurrent_jobs: int | None = None
     requests_per_minute: int | None = None
+    expires_at: datetime | None = None
 
     @property
     def sees_all_jobs(self) -> bool:
@@ -116,11 +121,24 @@ def _user_info(user: User) -> UserInfo:
 class Accounts:
     """User and token records through one :class:`Database`."""
 
-    def __init__(self, db: Database, *, touch_interval_s: float = 60.0) -> None:
+    def __init__(
+        self, db: Database, *, touch_interval_s: float = 60.0, cache_s: float = 0.0
+    ) -> None:
         self.db = db
+        # A valid token's principal is kept this long, in seconds, so a burst of
+        # requests with one token costs one query; a revocation, a role change or
+        # an expiry takes effect within it. Invalid tokens are never kept.
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._cache_lock = threading.Lock()
         # A token's last-used time is written at most this often: one UPDATE
         # per request would turn every read of the API into a write.
         self.touch_interval = timedelta(seconds=touch_interval_s)
+
+    def forget_tokens(self) -> None:
+        """Empty the token cache: the next lookup of every token reads the database."""
+        with self._cache_lock:
+            self._cache.clear()
 
     def has_users(self) -> bool:
         with self.db.session() as s:
@@ -175,6 +193,7 @@ class Accounts:
 
         Raises :class:`UnknownUser`.
         """
+        self.forget_tokens()
         with self.db.session() as s:
             user = s.execute(select(User).where(User.name == name)).scalar_one_or_none()
             if user is None:
@@ -244,7 +263,12 @@ class Accounts:
             ).scalar_one_or_none()
 
     def revoke(self, token_id: int) -> bool:
-        """Revoke a token; False if there is no such token or it was revoked already."""
+        """Revoke a token; False if there is no such token or it was revoked already.
+
+        This object's token cache forgets every token at once; other processes'
+        caches within their ``cache_s``.
+        """
+        self.forget_tokens()
         with self.db.session() as s:
             result = s.execute(
                 update(ApiToken)
@@ -261,6 +285,22 @@ class Accounts:
         """
         digest = hash_token(secret)
         now = utcnow()
+        if self.cache_s > 0:
+            with self._cache_lock:
+                cached = self._cache.get(digest)
+            if cached is not None and cached[0] > time.monotonic():
+                known = cached[1]
+                if known.expires_at is None or known.expires_at > now:
+                    return known
+        principal = self._authenticate(digest, now)
+        if principal is not None and self.cache_s > 0:
+            with self._cache_lock:
+                if len(self._cache) >= MAX_CACHED_TOKENS:
+                    self._cache.clear()  # a flood of distinct tokens: start over
+                self._cache[digest] = (time.monotonic() + self.cache_s, principal)
+        return principal
+
+    def _authenticate(self, digest: str, now: datetime) -> Principal | None:
         with self.db.session() as s:
             row = s.execute(
                 select(ApiToken, User)
@@ -285,4 +325,5 @@ class Accounts:
                 token_id=token.id,
                 max_concurrent_jobs=user.max_concurrent_jobs,
                 requests_per_minute=user.requests_per_minute,
+                expires_at=token.expires_at,
             )

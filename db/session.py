@@ -24,13 +24,15 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 class Database:
     """A SQLAlchemy engine plus a session factory; one per process."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, pool_size: int = 10, max_overflow: int = 40) -> None:
         self.url = url
         kwargs: dict[str, Any] = {"pool_pre_ping": True, "future": True}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
         else:
-            kwargs.update(pool_size=10, max_overflow=40, pool_recycle=1800, pool_timeout=10)
+            kwargs.update(
+                pool_size=pool_size, max_overflow=max_overflow, pool_recycle=1800, pool_timeout=10
+            )
         if url.startswith("postgresql"):
             # A server that stops answering (host gone, packets dropped) fails a
             # request in seconds instead of hanging it: the API answers 503.

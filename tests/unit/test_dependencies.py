@@ -22,6 +22,7 @@ PACKAGES = ("api", "tasks", "workers", "models", "db", "config", "client")
 # Declared but never imported, each for a reason.
 NOT_IMPORTED = {
     "gunicorn": "runs the API as a program (python -m gunicorn)",
+    "gevent": "gunicorn's gevent worker class serves the API (api/gunicorn_conf.py)",
     "psycopg2-binary": "SQLAlchemy's Postgres driver, chosen by the DATABASE_URL",
     "gguf": "transformers needs it to read the default model's GGUF file",
     "accelerate": "transformers needs it to load GGUF weights",
