@@ -25,21 +25,12 @@ import torch.nn.functional as F
 GROUP_SIZE = 32
 """Input features sharing one scale and zero point (GGUF's Q4_0/Q4_1 block)."""
 
-INT4_MAX_ROWS = 6
+INT4_MAX_ROWS = 8
 """Rows (tokens) up to which the int4 kernel runs; above, a bfloat16 copy of the same
-quantized weight, prepacked for oneDNN (:class:`PackedBF16`), does. PyTorch's int4 CPU
-kernel costs about the same per row at any batch; the bfloat16 matmul reads four
-times the bytes but its cost grows slowly with rows. Whole decoding steps of
-SmolLM2-135M, CPU ms of one thread, int4 against prepacked bfloat16 (bench/README.md):
-19.8/18.9 at 1 row, 29.5/35.7 at 4, 44.1/46.4 at 6, 56.7/51.4 at 8, 94.7/65.4 at 16."""
-
-INT8_MAX_ROWS = 2
-"""The same switch for :class:`Int8Linear` (two int4 products): 3.4/4.3/6.1 ms against
-4.2/4.5/3.7 ms prepacked for SmolLM2-135M's output layer at 1/2/4 rows, one thread."""
-
-
-PACK_ROWS_HINT = 16
-"""The batch size oneDNN is told to expect when it chooses a packed layout (any size runs)."""
+quantized weight does. PyTorch's int4 CPU kernel costs about the same per row at any
+batch (one thread, 3072x576: 98/171/337/671 us at 1/4/8/16 rows) while a bfloat16
+matmul grows slowly (143/176/236/361 us); whole decoding steps of SmolLM2-135M were
+fastest with the switch above 8 rows (bench/README.md)."""
 
 
 class Linear(Protocol):
@@ -58,51 +49,9 @@ class DenseLinear:
         # A copy of its own: the source may be a memory map of the checkpoint.
         self.weight = weight.detach().to(dtype, copy=True).contiguous()
         self.out_features, self.in_features = self.weight.shape
-        self.packed: PackedBF16 | None = None
-        if dtype == torch.bfloat16 and weight.device.type == "cpu":
-            self.packed = PackedBF16(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x)
         return F.linear(x.to(self.weight.dtype), self.weight)
-
-
-def packed_bf16_supported() -> bool:
-    """Whether this CPU runs oneDNN's bfloat16 matmul natively (AVX-512 BF16 or AMX)."""
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class PackedBF16:
-    """A bfloat16 weight for ``F.linear`` on a CPU, prepacked for oneDNN when it can be.
-
-    Prepacking (``mkldnn._reorder_linear_weight``: the layout ``torch.compile``'s
-    freezing gives a bfloat16 linear layer on a CPU) lays the weight out in the
-    blocks oneDNN's kernel reads, once, instead of at every call: 1.4-2x faster
-    than a plain bfloat16 ``F.linear`` at 1-16 rows here. Without oneDNN's
-    native bfloat16 support, the plain weight serves.
-    """
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        weight = weight.detach().to(torch.bfloat16).contiguous()
-        self.out_features, self.in_features = weight.shape
-        self.packed: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = weight
-        if weight.device.type == "cpu" and packed_bf16_supported():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-            self.weight = None  # the packed copy is the only one kept
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        assert self.weight is not None
-        return F.linear(x, self.weight)
 
 
 def int4_supported(device: torch.device, in_features: int) -> bool:
@@ -116,9 +65,9 @@ class Int4Linear:
     """A weight quantized to 4 bits in groups of :data:`GROUP_SIZE`, asymmetric.
 
     Decoding steps of up to :data:`INT4_MAX_ROWS` tokens multiply with the
-    int4 kernel; larger steps (batched decoding, prefill) with a prepacked
-    bfloat16 copy of the dequantized weight (:class:`PackedBF16`), which the
-    CPU serves faster at those sizes.
+    int4 kernel; larger steps (batched decoding, prefill) with a bfloat16
+    copy of the dequantized weight, which the CPU's bf16 matmul serves faster
+    at those sizes.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -133,12 +82,12 @@ class Int4Linear:
         sz = self.scales_and_zeros.float()
         groups = (codes.view(self.out_features, -1, GROUP_SIZE) - 8).float()
         rebuilt = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-        self.dense = PackedBF16(rebuilt.view(self.out_features, self.in_features))
+        self.dense = rebuilt.view(self.out_features, self.in_features).to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
-            return self.dense(x)
         x = x.to(torch.bfloat16)
+        if x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP_SIZE, self.scales_and_zeros
         )
@@ -151,8 +100,8 @@ class Int8Linear:
     split into two 4-bit halves, ``c + 128 = 16 hi + lo``, and the product is
     two int4 matmuls: ``16 d (hi - 8)`` and ``d (lo - 8) + 8 d``, which sum
     to ``d c``. A ``Q8_0`` weight (the default model's tied embedding and
-    output layer) is found again code for code. Above :data:`INT8_MAX_ROWS`
-    rows a prepacked bfloat16 copy serves, as for :class:`Int4Linear`. CPU only.
+    output layer) is found again code for code. Above :data:`INT4_MAX_ROWS`
+    rows a bfloat16 copy serves, as for :class:`Int4Linear`. CPU only.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -172,12 +121,12 @@ class Int8Linear:
         self.hi_sz = torch.stack([16 * d, torch.zeros_like(d)], -1).to(torch.bfloat16)
         self.lo_sz = torch.stack([d, 8 * d], -1).to(torch.bfloat16)
         rebuilt = (codes - 128).float() * scale[..., None]
-        self.dense = PackedBF16(rebuilt.view(n, k))
+        self.dense = rebuilt.view(n, k).to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT8_MAX_ROWS:
-            return self.dense(x)
         x = x.to(torch.bfloat16)
+        if x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense)
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         high = mm(x, self.hi, GROUP_SIZE, self.hi_sz).float()
         return high.add_(mm(x, self.lo, GROUP_SIZE, self.lo_sz))
