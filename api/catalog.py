@@ -8,6 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 
 from api.auth import optional_principal
+from api.limits import count_lookup
 from api.services import Services, services
 from db.overrides import ModelOverrides, apply
 from workers.heartbeat import list_workers
@@ -49,9 +50,11 @@ def list_models() -> Response:
     """OpenAI's model list shape, each entry extended with Switchyard's state.
 
     Only the models the caller may use: enabled ones, and without a token only
-    the public ones. A bad token is a 401, as everywhere.
+    the public ones. A bad token is a 401, as everywhere. Counted as a lookup
+    by the caller's limits (429 past them).
     """
     principal = optional_principal()
+    count_lookup(principal)
     svc = services()
     states = model_states(svc)
     overrides = ModelOverrides(svc.db).all()

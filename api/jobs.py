@@ -49,7 +49,14 @@ from api.openapi import Header, spec
 from api.schemas import JobRequest, json_body, parse
 from api.services import services
 from api.sock import sock
-from api.streams import LagWatch, SlowClient, drop_laggard, send_frame, sse_response
+from api.streams import (
+    LagWatch,
+    SlowClient,
+    client_gone,
+    drop_laggard,
+    send_frame,
+    sse_response,
+)
 from config import ModelDefinition
 from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
@@ -65,6 +72,8 @@ log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__)
 
 MAX_IDEMPOTENCY_KEY = 255
+# How often a client waiting for a whole answer is looked at (gone: its job is cancelled), s.
+CLIENT_CHECK_S = 1.0
 
 IDEMPOTENCY_HEADER = Header(
     "Idempotency-Key",
@@ -206,7 +215,9 @@ def submit_job(
         )
     scoped_key = digest = None
     if idempotency_key is not None:
-        scope = str(principal.user_id) if principal is not None else "anon"
+        # Per user; a caller without a token is scoped by its address, so one
+        # anonymous caller can never learn another's job id by guessing a key.
+        scope = str(principal.user_id) if principal is not None else f"anon@{client_address()}"
         scoped_key = f"{scope}:{idempotency_key}"
         digest = request_hash(req)
         earlier = svc.jobs.by_idempotency_key(scoped_key)
@@ -475,13 +486,33 @@ def restart_error(fields: dict[str, Any]) -> str:
 
 
 def final_event(job: Job, *, idle_s: float) -> JobEvent:
-    """Wait for ``job``'s ``done`` event; :class:`JobFailed` on an ``error`` event."""
-    for event in follow_job(job, idle_s=idle_s):
+    """Wait for ``job``'s ``done`` event; :class:`JobFailed` on an ``error`` event.
+
+    For a client waiting on one answer (a non-streaming completion): its
+    socket is looked at every :data:`CLIENT_CHECK_S` seconds, and a client
+    that has gone away gets its job cancelled, as a streaming client's does,
+    and :class:`ClientClosed`.
+    """
+    next_check = time.monotonic() + CLIENT_CHECK_S
+    for event in follow_job(job, idle_s=min(idle_s, CLIENT_CHECK_S)):
         if event is not None and event.final:
             if event.type == "error":
                 raise JobFailed(str(event.fields.get("error") or "error"))
             return event
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + CLIENT_CHECK_S
+            if client_gone():
+                cancel(job.id)
+                raise ClientClosed(f"the client went away; job {job.id} was cancelled")
     raise JobFailed("the event stream ended without a final event")  # pragma: no cover
+
+
+class ClientClosed(ApiError):
+    """The client left before its answer: nginx's 499, which nobody reads."""
+
+    status = 499
+    error_type = "client_closed_request"
 
 
 class JobListQuery(BaseModel):

@@ -7,6 +7,9 @@ numbers; each check-and-count is one Lua script, hence atomic across processes.
   (Redis's own clock, so API hosts need not agree on the time). A request
   refused by a later check (its concurrency slot) takes its entry back out, so
   only accepted requests count.
+* Lookups per minute (``/tokenize``, ``/v1/models``: no job, but a tokenizer
+  run or a database read each): a window of their own, ``lookup_factor``
+  times the caller's requests per minute.
 * Concurrent jobs: a sorted set of the caller's job ids. A job leaves it when
   the set is full and the database says the job has ended (the API does not see
   every job end, so the set is pruned against Postgres, the source of truth,
@@ -24,7 +27,9 @@ from typing import cast
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
+from api.auth import client_address
 from api.errors import ApiError, Unavailable
+from api.services import services
 from config import ModelDefinition, Settings
 from db.accounts import Principal
 from db.jobs import JobStore
@@ -117,27 +122,29 @@ class Limiter:
         Returns the request's entry in the window (None: the caller has no
         limit), for :meth:`refund_request` should a later check refuse it.
         """
-        if caller.requests_per_minute <= 0:
+        return self._admit("rpm", caller.requests_per_minute, caller, "requests")
+
+    def admit_lookup(self, caller: Caller) -> None:
+        """Count one lookup (``/tokenize``, ``/v1/models``) in a window of its own.
+
+        A caller may make ``lookup_factor`` times as many lookups per minute as
+        generation requests; :class:`RateLimited` past that.
+        """
+        limit = caller.requests_per_minute * self.settings.lookup_factor
+        self._admit("lookups", limit, caller, "lookups (/tokenize, /v1/models)")
+
+    def _admit(self, kind: str, limit: int, caller: Caller, what: str) -> str | None:
+        if limit <= 0:
             return None
         entry = uuid.uuid4().hex
         wait_ms = int(
             cast(
                 int,
-                self.redis.eval(
-                    _RATE_SCRIPT,
-                    1,
-                    self._key("rpm", caller),
-                    caller.requests_per_minute,
-                    WINDOW_MS,
-                    entry,
-                ),
+                self.redis.eval(_RATE_SCRIPT, 1, self._key(kind, caller), limit, WINDOW_MS, entry),
             )
         )
         if wait_ms > 0:
-            raise RateLimited(
-                f"at most {caller.requests_per_minute} requests per minute; retry later",
-                wait_ms / 1000,
-            )
+            raise RateLimited(f"at most {limit} {what} per minute; retry later", wait_ms / 1000)
         return entry
 
     def refund_request(self, caller: Caller, entry: str | None) -> None:
@@ -190,6 +197,13 @@ class Limiter:
         ]
         if stale:
             self.redis.zrem(key, *stale)
+
+
+def count_lookup(principal: Principal | None) -> None:
+    """Count this request as one of the caller's lookups (:meth:`Limiter.admit_lookup`)."""
+    svc = services()
+    caller = caller_for(principal, client_address(), svc.settings)
+    Limiter(svc.redis, svc.settings).admit_lookup(caller)
 
 
 def max_queue_length(definition: ModelDefinition, settings: Settings) -> int:

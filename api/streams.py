@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -312,6 +313,25 @@ def sse_response(
     for name, value in (headers or {}).items():
         response.headers[name] = value
     return response
+
+
+def client_gone() -> bool:
+    """Whether the client of the current request has closed its connection.
+
+    For a request that answers only at the end (a non-streaming completion):
+    the client sent its whole request, so its socket is readable only once it
+    closed (a read gives end of file) or pipelines another request (the bytes
+    stay where they are: this only peeks). False when the server does not
+    expose the socket.
+    """
+    sock = request.environ.get("gunicorn.socket") or request.environ.get("werkzeug.socket")
+    if not isinstance(sock, socket.socket):
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
 
 
 def send_frame(

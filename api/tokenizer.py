@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.auth import optional_principal
 from api.errors import Unavailable, ValidationFailed
 from api.jobs import authorize_model, served_model
+from api.limits import count_lookup
 from api.openapi import spec
 from api.schemas import Message, json_body, parse
 from api.services import services
@@ -224,6 +225,7 @@ def tokenizers() -> Tokenizers:
 )
 def tokenize() -> Response:
     principal = optional_principal()
+    count_lookup(principal)
     req = parse(TokenizeRequest, json_body())
     definition = served_model(req.model)
     authorize_model(definition, principal)

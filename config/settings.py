@@ -415,6 +415,15 @@ class Settings(BaseModel):
         ge=0,
         description="Generation requests per minute per address without a token; 0: no limit.",
     )
+    lookup_factor: int = Field(
+        default=10,
+        ge=0,
+        le=1000,
+        description=(
+            "Lookups (/tokenize, /v1/models) a caller may make per minute, as a multiple of "
+            "their generation requests per minute (0: not counted)."
+        ),
+    )
     user_max_concurrent_jobs: int = Field(
         default=8, ge=0, description="Queued+running jobs per user of role 'user'; 0: no limit."
     )

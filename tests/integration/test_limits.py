@@ -180,6 +180,28 @@ def test_models_that_can_never_get_a_worker_are_503(
     cancel_all(a, token)
 
 
+def test_lookups_are_counted_in_a_window_of_their_own(limits_settings: Settings) -> None:
+    """/tokenize and /v1/models count against the caller, apart from generation requests."""
+    update = {"anonymous_requests_per_minute": 1, "lookup_factor": 2, "redis_prefix": "lookups"}
+    token = farm.make_token(limits_settings, max_concurrent_jobs=0, requests_per_minute=1)
+    with farm.serve_app_in_thread(limits_settings.model_copy(update=update)) as url:
+        models = f"{url}/v1/models"
+        assert [requests.get(models, timeout=30).status_code for _ in range(2)] == [200, 200]
+        assert_429(requests.get(models, timeout=30))
+        # A user's lookups are theirs: the anonymous window does not touch them.
+        body = {"model": "tiny-random", "prompt": "hello"}
+        first = requests.post(f"{url}/tokenize", json=body, headers=auth(token), timeout=30)
+        assert first.status_code in (200, 503), first.text  # 503: no tokenizer cached yet
+        assert requests.get(models, headers=auth(token), timeout=30).status_code == 200
+        over = requests.post(f"{url}/tokenize", json=body, headers=auth(token), timeout=30)
+        assert_429(over)
+        assert "lookups" in over.json()["error"]
+        # Lookups took nothing from the generation window: the one request still goes.
+        accepted = submit(url, token, "tiny-late")
+        assert accepted.status_code == 202, accepted.text
+        cancel_all(url, token)
+
+
 def test_idempotency_key_returns_the_same_job(
     two_apis: tuple[str, str], limits_settings: Settings
 ) -> None:

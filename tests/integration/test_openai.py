@@ -185,3 +185,32 @@ def test_client_going_away_cancels_a_queued_job(api_url: str, token: str) -> Non
         assert job_of(api_url, token, job_id)["status"] == "queued"
     job = wait_status(api_url, token, job_id)
     assert job["status"] == "cancelled" and job["attempts"] == 0
+
+
+def test_a_non_streaming_client_going_away_cancels_its_job(
+    api_url: str, migrated: Settings
+) -> None:
+    """OpenAI's and TGI's one-answer routes: a client that gives up has its job cancelled."""
+    token = farm.make_token(migrated, max_concurrent_jobs=0, requests_per_minute=0)
+    headers = {"Authorization": f"Bearer {token}"}
+    # tiny-late has no worker here: each job waits in the queue until its client leaves.
+    impatient = openai.OpenAI(base_url=f"{api_url}/v1", api_key=token, max_retries=0, timeout=2)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="tiny-late", messages=CHAT, max_tokens=4)
+    tgi = {"inputs": "hello", "parameters": {"max_new_tokens": 4}}
+    with pytest.raises(requests.Timeout):
+        requests.post(
+            f"{api_url}/generate",
+            json=tgi,
+            headers={**headers, "X-Model": "tiny-late"},
+            timeout=2,
+        )
+    deadline = time.monotonic() + 30
+    while True:
+        jobs = requests.get(f"{api_url}/v1/jobs", headers=headers, timeout=30).json()["data"]
+        if len(jobs) == 2 and all(j["status"] == "cancelled" for j in jobs):
+            break
+        assert time.monotonic() < deadline, jobs
+        time.sleep(0.2)
+    assert all(j["attempts"] == 0 for j in jobs)
+

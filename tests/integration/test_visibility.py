@@ -65,6 +65,29 @@ def submit(url: str, token: str | None, model: str = "tiny-open") -> str:
     return str(r.json()["id"])
 
 
+def test_anonymous_idempotency_keys_are_scoped_by_address(vis_settings: Settings) -> None:
+    """Two anonymous callers sending the same key and request get two jobs; a retry, one."""
+    body = {"model": "tiny-open", "prompt": "hello", "params": {"max_new_tokens": 2}}
+    key = f"anon-{uuid.uuid4()}"
+    proxied = vis_settings.model_copy(update={"api_trusted_proxies": 1})
+
+    def post(base: str, address: str) -> requests.Response:
+        headers = {"Idempotency-Key": key, "X-Forwarded-For": address}
+        return requests.post(f"{base}/v1/jobs", json=body, headers=headers, timeout=30)
+
+    with farm.serve_app_in_thread(proxied) as base:
+        first = post(base, "203.0.113.7")
+        retry = post(base, "203.0.113.7")
+        stranger = post(base, "203.0.113.8")
+        assert first.status_code == retry.status_code == stranger.status_code == 202
+        assert retry.json()["id"] == first.json()["id"]
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert stranger.json()["id"] != first.json()["id"]
+        assert "Idempotent-Replayed" not in stranger.headers
+        for job in (first, stranger):
+            requests.delete(f"{base}/v1/jobs/{job.json()['id']}", timeout=30)
+
+
 def test_an_anonymous_job_is_read_and_cancelled_by_whoever_has_its_id(
     url: str, vis_settings: Settings
 ) -> None:
