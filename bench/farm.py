@@ -240,6 +240,53 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+class CpuMeter:
+    """CPU seconds (user + system) each part of the farm spends while a block runs.
+
+    Parts are process trees (the API, the worker), every ``redis-server`` and
+    every ``postgres`` process on the machine, and this process (the benchmark's
+    client threads). ``spent[concurrency]`` maps each part to its seconds.
+    """
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+        self.spent: dict[int, dict[str, float]] = {}
+
+    def _snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, pid in self.roots.items():
+            with suppress(psutil.NoSuchProcess):
+                root = psutil.Process(pid)
+                out[name] = sum(_cpu(p) for p in (root, *root.children(recursive=True)))
+        out["client"] = _cpu(psutil.Process())
+        for proc in psutil.process_iter(["name"]):
+            part = {"redis-server": "redis", "postgres": "postgres"}.get(proc.info["name"])
+            if part is not None:
+                out[part] = out.get(part, 0.0) + _cpu(proc)
+        return out
+
+    @contextmanager
+    def measuring(self, concurrency: int) -> Iterator[None]:
+        before = self._snapshot()
+        try:
+            yield
+        finally:
+            after = self._snapshot()
+            self.spent[concurrency] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+# The engine phase's CPU: this process alone (the engine's threads and the client's).
+ENGINE_CPU = CpuMeter({})
+
+
+def _cpu(proc: psutil.Process) -> float:
+    try:
+        t = proc.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return t.user + t.system
+
+
 # -- clients ----------------------------------------------------------------------
 
 
@@ -682,7 +729,14 @@ def engine_phase(
     engine.start()
     try:
         client = EngineClient(engine, definition, args.max_new_tokens)
-        levels = run_levels("engine", client, PROMPTS, args.concurrency, args.requests_per_client)
+        levels = run_levels(
+            "engine",
+            client,
+            PROMPTS,
+            args.concurrency,
+            args.requests_per_client,
+            on_level=ENGINE_CPU.measuring,
+        )
     finally:
         engine.stop()
     tokenizer = loaded.tokenizer
@@ -699,6 +753,7 @@ def engine_phase(
 @dataclass
 class FarmResult:
     levels: list[Level]
+    cpu: dict[int, dict[str, float]]
     worker_rss_loaded: int
     worker_rss_peak: int
     subscribers: Any  # SubscriberResult | None
@@ -735,14 +790,21 @@ def farm_phase(
             raise RuntimeError(f"farm: the warm-up job failed: {warm.error}\n{worker.tail()}")
         loaded_rss = rss(worker.pid)
         peak = PeakMemory(worker.pid)
+        meter = CpuMeter({"api": api.pid, "worker": worker.pid})
         top = max(args.concurrency)
+
+        @contextmanager
+        def measured(c: int) -> Iterator[None]:
+            with meter.measuring(c), peak.sampling() if c == top else _nothing():
+                yield
+
         levels = run_levels(
             f"farm/{args.stream}",
             client,
             PROMPTS,
             args.concurrency,
             args.requests_per_client,
-            on_level=lambda c: peak.sampling() if c == top else _nothing(),
+            on_level=measured,
         )
         worker_stop()  # the subscribers' jobs must stay queued
         subscribers = None
@@ -753,7 +815,7 @@ def farm_phase(
             subscribers = measure_idle_subscribers(
                 base, token, args.model, args.subscribers, api.pid
             )
-    return FarmResult(levels, loaded_rss, peak.peak, subscribers)
+    return FarmResult(levels, meter.spent, loaded_rss, peak.peak, subscribers)
 
 
 @contextmanager
@@ -875,6 +937,41 @@ def ttft_breakdown(farm: Sequence[Level]) -> str:
         "when the API inserts the row, inside the POST, so parts may overlap a little)"
     )
     return "\n".join([head, *lines])
+
+
+def cpu_table(
+    engine: Sequence[Level], farm: Sequence[Level], spent: dict[int, dict[str, float]]
+) -> str:
+    """CPU milliseconds per streamed token, by part of the farm, per level.
+
+    The engine's row is the bare engine in this process, for comparison.
+    """
+    parts = ["worker", "api", "redis", "postgres", "client"]
+    lines = [
+        f"{'clients':>7} "
+        + " ".join(f"{p:>8}" for p in parts)
+        + f" {'total':>8} {'busy':>6}   (CPU ms per token; busy: CPU s / wall s, of "
+        f"{os.cpu_count()} cores)"
+    ]
+    for lv in farm:
+        cpu = spent.get(lv.concurrency)
+        if not cpu or not lv.tokens:
+            continue
+        total = sum(cpu.get(p, 0.0) for p in parts)
+        lines.append(
+            f"{lv.concurrency:>7} "
+            + " ".join(f"{cpu.get(p, 0.0) * 1000 / lv.tokens:>8.2f}" for p in parts)
+            + f" {total * 1000 / lv.tokens:>8.2f} {total / lv.seconds:>6.2f}"
+        )
+    for lv in engine:
+        cpu = ENGINE_CPU.spent.get(lv.concurrency)
+        if cpu and lv.tokens:
+            own = cpu.get("client", 0.0)
+            lines.append(
+                f"engine {lv.concurrency:>2} clients (bare, in process): "
+                f"{own * 1000 / lv.tokens:.2f} CPU ms per token, busy {own / lv.seconds:.2f}"
+            )
+    return "\n".join(lines)
 
 
 @dataclass
@@ -1040,6 +1137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("farm: where time to first token goes")
     print(ttft_breakdown(farm.levels))
     print()
+    print("farm: where the CPU goes")
+    print(cpu_table(engine, farm.levels, farm.cpu))
+    print()
     print("targets (2-core machine)")
     goals = targets(engine, farm.levels, peer)
     print(targets_table(goals))
@@ -1075,6 +1175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [lv.summary() for lv in (*engine, *farm.levels, *peer)],
             "peer_note": peer_note,
             "targets": [asdict(t) for t in goals],
+            "cpu_s": {str(c): v for c, v in farm.cpu.items()},
+            "engine_cpu_s": {str(c): v for c, v in ENGINE_CPU.spent.items()},
             "worker_rss_loaded": farm.worker_rss_loaded,
             "worker_rss_peak": farm.worker_rss_peak,
             "subscribers": asdict(sub) if sub is not None else None,

@@ -25,12 +25,62 @@ import torch.nn.functional as F
 GROUP_SIZE = 32
 """Input features sharing one scale and zero point (GGUF's Q4_0/Q4_1 block)."""
 
-INT4_MAX_ROWS = 8
-"""Rows (tokens) up to which the int4 kernel runs; above, a bfloat16 copy of the same
-quantized weight does. PyTorch's int4 CPU kernel costs about the same per row at any
-batch (one thread, 3072x576: 98/171/337/671 us at 1/4/8/16 rows) while a bfloat16
-matmul grows slowly (143/176/236/361 us); whole decoding steps of SmolLM2-135M were
-fastest with the switch above 8 rows (bench/README.md)."""
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def dense_dtype() -> torch.dtype:
+    """The dtype of the quantized layers' dense copies, for steps of many rows.
+
+    bfloat16 where the CPU has bfloat16 instructions; float32 elsewhere, where
+    PyTorch emulates bfloat16 matmuls and they run 2-4x slower than float32
+    (one thread, 3072x576 at 16/32 rows: bf16 2245/4240 us, fp32 858/1193 us,
+    on an AVX-512 Xeon without BF16). float32 holds the dequantized weight
+    exactly; bfloat16 rounds it.
+    """
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def int4_max_rows(dense: torch.dtype) -> int:
+    """Rows (tokens) up to which the int4 kernel runs; above, the dense copy does.
+
+    PyTorch's int4 CPU kernel costs about the same per row at any batch (one
+    thread, 3072x576: 98/222/444/875 us at 1/4/8/16 rows). A bfloat16 copy on
+    a CPU with AVX512-BF16 grows slowly (143/176/236/361 us) and whole decoding
+    steps of SmolLM2-135M were fastest with the switch above 8 rows. A float32
+    copy reads 8 times the int4 bytes per step and PyTorch's float32 matmul is
+    slow below 16 rows: whole steps (2 threads, no BF16) ran faster on int4 up
+    to 32 decoding rows and 40-token prefills (bench/README.md).
+    """
+    return 8 if dense == torch.bfloat16 else 32
+
+
+def int8_max_rows(dense: torch.dtype) -> int:
+    """As :func:`int4_max_rows` for :class:`Int8Linear`, which runs the int4 kernel twice.
+
+    SmolLM2-135M's output layer (49152x576, one thread, no BF16): int8 15.8 /
+    23.1 / 30.7 ms at 8 / 12 / 16 rows, float32 29.6 / 39.6 / 21.8 ms.
+    """
+    return 8 if dense == torch.bfloat16 else 12
+
+
+FLOAT32_PADDED_ROWS = range(8, 16)
+"""Row counts at which PyTorch's float32 CPU matmul takes a slower kernel than at 16 rows
+(a 49152x576 weight, one thread: 8.9 / 19.7 / 29.6 / 39.6 / 21.8 ms at 1 / 4 / 8 / 12 /
+16 rows); :func:`dense_matmul` pads them to 16."""
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in the weight's dtype (float32 inputs of 8 to 15 rows padded to 16)."""
+    x = x.to(weight.dtype)
+    rows = x.shape[0]
+    if weight.dtype == torch.float32 and rows in FLOAT32_PADDED_ROWS:
+        padded = x.new_zeros(FLOAT32_PADDED_ROWS.stop, x.shape[1])
+        padded[:rows] = x
+        return F.linear(padded, weight)[:rows]
+    return F.linear(x, weight)
 
 
 class Linear(Protocol):
@@ -51,7 +101,7 @@ class DenseLinear:
         self.out_features, self.in_features = self.weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return dense_matmul(x, self.weight)
 
 
 def int4_supported(device: torch.device, in_features: int) -> bool:
@@ -64,13 +114,13 @@ def int4_supported(device: torch.device, in_features: int) -> bool:
 class Int4Linear:
     """A weight quantized to 4 bits in groups of :data:`GROUP_SIZE`, asymmetric.
 
-    Decoding steps of up to :data:`INT4_MAX_ROWS` tokens multiply with the
-    int4 kernel; larger steps (batched decoding, prefill) with a bfloat16
-    copy of the dequantized weight, which the CPU's bf16 matmul serves faster
-    at those sizes.
+    Steps of up to ``max_rows`` tokens (:func:`int4_max_rows`) multiply with
+    the int4 kernel; larger steps (batched decoding, prefill) with a dense
+    copy of the dequantized weight in ``dense`` (default :func:`dense_dtype`),
+    which the CPU's matmul serves faster at those sizes.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dense: torch.dtype | None = None) -> None:
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         self.device = weight.device
@@ -82,14 +132,14 @@ class Int4Linear:
         sz = self.scales_and_zeros.float()
         groups = (codes.view(self.out_features, -1, GROUP_SIZE) - 8).float()
         rebuilt = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-        self.dense = rebuilt.view(self.out_features, self.in_features).to(torch.bfloat16)
+        self.dense = rebuilt.view(self.out_features, self.in_features).to(dense or dense_dtype())
+        self.max_rows = int4_max_rows(self.dense.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
-        if x.shape[0] > INT4_MAX_ROWS:
-            return F.linear(x, self.dense)
+        if x.shape[0] > self.max_rows:
+            return dense_matmul(x, self.dense)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_and_zeros
         )
 
 
@@ -100,11 +150,12 @@ class Int8Linear:
     split into two 4-bit halves, ``c + 128 = 16 hi + lo``, and the product is
     two int4 matmuls: ``16 d (hi - 8)`` and ``d (lo - 8) + 8 d``, which sum
     to ``d c``. A ``Q8_0`` weight (the default model's tied embedding and
-    output layer) is found again code for code. Above :data:`INT4_MAX_ROWS`
-    rows a bfloat16 copy serves, as for :class:`Int4Linear`. CPU only.
+    output layer) is found again code for code. Above ``max_rows`` rows
+    (:func:`int8_max_rows`) a dense copy serves, as for :class:`Int4Linear`.
+    CPU only.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dense: torch.dtype | None = None) -> None:
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
         if weight.device.type != "cpu" or self.in_features % GROUP_SIZE:
@@ -121,12 +172,13 @@ class Int8Linear:
         self.hi_sz = torch.stack([16 * d, torch.zeros_like(d)], -1).to(torch.bfloat16)
         self.lo_sz = torch.stack([d, 8 * d], -1).to(torch.bfloat16)
         rebuilt = (codes - 128).float() * scale[..., None]
-        self.dense = rebuilt.view(n, k).to(torch.bfloat16)
+        self.dense = rebuilt.view(n, k).to(dense or dense_dtype())
+        self.max_rows = int8_max_rows(self.dense.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return dense_matmul(x, self.dense)
         x = x.to(torch.bfloat16)
-        if x.shape[0] > INT4_MAX_ROWS:
-            return F.linear(x, self.dense)
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         high = mm(x, self.hi, GROUP_SIZE, self.hi_sz).float()
         return high.add_(mm(x, self.lo, GROUP_SIZE, self.lo_sz))

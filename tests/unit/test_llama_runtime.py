@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from models.llama import Chunk, LlamaRuntime, SlotCache, StepInput
-from models.quant import GROUP_SIZE, INT4_MAX_ROWS, DenseLinear, Int4Linear, Int8Linear
+from models.quant import GROUP_SIZE, DenseLinear, Int4Linear, Int8Linear
 
 SHAPE = dict(
     vocab_size=128,
@@ -128,18 +128,22 @@ def test_quantized_layers_compute_their_own_weights_at_every_batch_size() -> Non
     the row count where they switch kernels."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 4 * GROUP_SIZE, generator=gen) * 0.05
-    int4, int8 = Int4Linear(weight), Int8Linear(weight)
-    sz = int4.scales_and_zeros.float()
     from models.quant import quantize_int4
 
     codes, _, _ = quantize_int4(weight)
     groups = (codes.view(96, -1, GROUP_SIZE) - 8).float()
-    w4 = (groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view_as(weight)
-    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 16):
-        x = torch.randn(rows, weight.shape[1], generator=gen)
-        expected = x.bfloat16().float() @ w4.t()
-        torch.testing.assert_close(int4(x).float(), expected, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(int8(x).float(), x @ weight.t(), rtol=3e-2, atol=3e-2)
+    # Both dense copies: bfloat16 (CPUs with bf16 instructions) and float32 (others).
+    for dense_dtype in (torch.bfloat16, torch.float32):
+        int4, int8 = Int4Linear(weight, dense_dtype), Int8Linear(weight, dense_dtype)
+        assert int4.dense.dtype == int8.dense.dtype == dense_dtype
+        sz = int4.scales_and_zeros.float()
+        w4 = (groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view_as(weight)
+        switches = {int4.max_rows, int4.max_rows + 1, int8.max_rows, int8.max_rows + 1}
+        for rows in sorted({1, *switches}):
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            expected = x.bfloat16().float() @ w4.t()
+            torch.testing.assert_close(int4(x).float(), expected, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(int8(x).float(), x @ weight.t(), rtol=3e-2, atol=3e-2)
     dense = DenseLinear(weight, torch.bfloat16)
     x = torch.randn(5, weight.shape[1], generator=gen)
     torch.testing.assert_close(dense(x).float(), x @ weight.t(), rtol=3e-2, atol=3e-2)
