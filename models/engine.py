@@ -581,6 +581,8 @@ class Engine:
                 break  # isolating a failure: one prefill per step
             todo = seq.all_ids()[seq.computed :]
             take = min(len(todo), budget)
+            if seq.replay:  # the prompt only: resumed tokens go one a step (_feeds_one)
+                take = min(take, max(1, len(seq.request.prompt_ids) - seq.computed))
             assert seq.slot is not None
             chunks.append(Chunk(seq.slot, seq.computed, take))
             start = len(ids)

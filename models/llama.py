@@ -81,11 +81,13 @@ class StepInput:
 
 
 class SlotCache:
-    """Keys and values of every layer, ``[slots, kv_heads, length, head_dim]``.
+    """Keys and values of every layer, ``kv[layer]``: ``[slots, 2 * kv_heads, length, head_dim]``.
 
-    A slot belongs to one running sequence; its positions ``0..n-1`` hold
-    that sequence's tokens. ``length`` grows by doubling (a copy of the whole
-    cache, amortized) and never shrinks while the engine runs.
+    Per layer, the first ``kv_heads`` heads are the keys and the rest the
+    values (``keys(layer)``, ``values(layer)`` are views), so one write stores
+    both. A slot belongs to one running sequence; its positions ``0..n-1``
+    hold that sequence's tokens. ``length`` grows by doubling (a copy of the
+    whole cache, amortized) and never shrinks while the engine runs.
     """
 
     def __init__(
@@ -103,8 +105,13 @@ class SlotCache:
         self.dtype, self.device = dtype, device
         self.max_length = max_length
         self.length = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.kv: list[torch.Tensor] = []
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.kv[layer][:, : self.kv_heads]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv[layer][:, self.kv_heads :]
 
     def ensure(self, length: int) -> None:
         """Make room for ``length`` positions per slot (raises on out of memory)."""
@@ -116,21 +123,18 @@ class SlotCache:
         while new < length:
             new *= 2
         new = min(new, self.max_length)
-        shape = (self.slots, self.kv_heads, new, self.head_dim)
-        keys, values = [], []
+        shape = (self.slots, 2 * self.kv_heads, new, self.head_dim)
+        kv = []
         for layer in range(self.layers):
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            both = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.length:
-                k[:, :, : self.length] = self.keys[layer]
-                v[:, :, : self.length] = self.values[layer]
-            keys.append(k)
-            values.append(v)
-        self.keys, self.values, self.length = keys, values, new
+                both[:, :, : self.length] = self.kv[layer]
+            kv.append(both)
+        self.kv, self.length = kv, new
 
     def release(self) -> None:
         """Drop every tensor (after an out-of-memory error); :meth:`ensure` reallocates."""
-        self.keys, self.values, self.length = [], [], 0
+        self.kv, self.length = [], 0
 
 
 class _Layer:
@@ -139,21 +143,24 @@ class _Layer:
         layer: Any,
         make: Any,
         residual: torch.dtype,
+        q_heads: int,
+        kv_heads: int,
     ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1 = layer.input_layernorm.weight.detach().to(residual, copy=True)
         self.norm2 = layer.post_attention_layernorm.weight.detach().to(residual, copy=True)
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.qkv: Linear = make(qkv)
+
+        def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = _pairs_side_by_side(q, q_heads), _pairs_side_by_side(k, kv_heads)
+            return torch.cat([q, k, v]).detach()
+
+        self.qkv: Linear = make(fused(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
         self.qkv_bias: torch.Tensor | None = None
         if attn.q_proj.bias is not None:
-            self.qkv_bias = (
-                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-                .detach()
-                .to(residual, copy=True)
-            )
+            bias = fused(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+            self.qkv_bias = bias.to(residual, copy=True)
         self.o: Linear = make(attn.o_proj.weight)
         self.gate_up: Linear = make(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         self.down: Linear = make(mlp.down_proj.weight)
@@ -205,27 +212,26 @@ class LlamaRuntime:
         # Copies of their own, never views of the checkpoint's memory map (which
         # would keep the whole file resident once the model's weights are released).
         self.embed = weight.to(self.residual, copy=True)
-        self.layers = [_Layer(layer, make, self.residual) for layer in inner.layers]
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.layers = [
+            _Layer(layer, make, self.residual, self.heads, self.kv_heads) for layer in inner.layers
+        ]
         self.norm = inner.norm.weight.detach().to(self.residual, copy=True)
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = make_head(model.get_output_embeddings().weight)
         self.vocab_size = int(self.lm_head.out_features)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.heads)
         self.hidden = hidden
         self.max_positions = int(config.max_position_embeddings)
-        # The rotary tables of every position, from the model's own rotary module.
+        # The rotary tables of every position, from the model's own rotary module,
+        # as complex numbers: q and k are stored with each rotated pair side by
+        # side (:func:`_pairs_side_by_side`), so rotating is one complex product.
         positions = torch.arange(self.max_positions, device=self.device)[None]
         probe = torch.zeros(1, dtype=torch.float32, device=self.device)
         cos, sin = inner.rotary_emb(probe, positions)
-        self.cos = cos[0].to(self.residual)
-        self.sin = sin[0].to(self.residual)
         half = self.head_dim // 2
-        rotate = torch.zeros(self.head_dim, self.head_dim, dtype=self.residual)
-        rotate[half:, :half] = -torch.eye(half)  # out[:half] = -x[half:]
-        rotate[:half, half:] = torch.eye(half)  # out[half:] = x[:half]
-        self.rotate = rotate.to(self.device)
+        self.freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
         self.scale = self.head_dim**-0.5
 
     def new_cache(self, slots: int, max_length: int) -> SlotCache:
@@ -255,40 +261,41 @@ class LlamaRuntime:
             dtype=torch.long,
             device=device,
         )
-        cos = self.cos.index_select(0, pos)[:, None]
-        sin = self.sin.index_select(0, pos)[:, None]
+        freqs = self.freqs.index_select(0, pos)[:, None]
         decode = _DecodeView(step.decode_slots, step.positions[:n_decode], device)
         masks = [_chunk_mask(c, device) for c in step.chunks]
         h_q, h_kv, hd = self.heads, self.kv_heads, self.head_dim
-        n_qk = (h_q + h_kv) * hd
+        n_q, n_qk = h_q * hd, (h_q + h_kv) * hd
         x = self.embed.index_select(0, step.token_ids)
         for index, layer in enumerate(self.layers):
-            keys, values = cache.keys[index], cache.values[index]
+            kv = cache.kv[index]
+            keys, values = cache.keys(index), cache.values(index)
             h = F.rms_norm(x, (self.hidden,), layer.norm1, layer.eps1)
             qkv = layer.qkv(h).to(self.residual)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
-            qk = qkv[:, :n_qk].view(tokens, h_q + h_kv, hd)
-            qk = qk * cos + (qk @ self.rotate) * sin
-            q, k = qk[:, :h_q], qk[:, h_q:]
-            v = qkv[:, n_qk:].view(tokens, h_kv, hd)
-            keys[slots, :, pos] = k
-            values[slots, :, pos] = v
-            out = torch.empty(tokens, h_q, hd, dtype=self.residual, device=device)
-            if n_decode:
-                out[:n_decode] = decode.attend(q[:n_decode], keys, values, self.scale)
-            at = n_decode
-            for chunk, mask in zip(step.chunks, masks, strict=True):
-                end = chunk.start + chunk.length
-                ck = keys[chunk.slot : chunk.slot + 1, :, :end]
-                cv = values[chunk.slot : chunk.slot + 1, :, :end]
-                cq = q[at : at + chunk.length].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    cq, ck, cv, attn_mask=mask, scale=self.scale, enable_gqa=h_q != h_kv
-                )
-                out[at : at + chunk.length] = o[0].transpose(0, 1)
-                at += chunk.length
-            x = x + layer.o(out.view(tokens, h_q * hd))
+            _rotate(qkv[:, :n_qk].view(tokens, h_q + h_kv, hd // 2, 2), freqs)
+            q = qkv[:, :n_q].view(tokens, h_q, hd)
+            # Keys and values of every token into their slots, in one write.
+            kv[slots, :, pos] = qkv[:, n_q:].view(tokens, 2 * h_kv, hd)
+            if not step.chunks:
+                out = decode.attend(q, keys, values, self.scale)
+            else:
+                out = torch.empty(tokens, h_q, hd, dtype=self.residual, device=device)
+                if n_decode:
+                    out[:n_decode] = decode.attend(q[:n_decode], keys, values, self.scale)
+                at = n_decode
+                for chunk, mask in zip(step.chunks, masks, strict=True):
+                    end = chunk.start + chunk.length
+                    ck = keys[chunk.slot : chunk.slot + 1, :, :end]
+                    cv = values[chunk.slot : chunk.slot + 1, :, :end]
+                    cq = q[at : at + chunk.length].transpose(0, 1)[None]
+                    o = F.scaled_dot_product_attention(
+                        cq, ck, cv, attn_mask=mask, scale=self.scale, enable_gqa=h_q != h_kv
+                    )
+                    out[at : at + chunk.length] = o[0].transpose(0, 1)
+                    at += chunk.length
+            x = x + layer.o(out.reshape(tokens, h_q * hd))
             h = F.rms_norm(x, (self.hidden,), layer.norm2, layer.eps2)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
@@ -332,6 +339,33 @@ class _DecodeView:
         )
         o = o[:, :, 0]
         return o if self.direct else o.index_select(0, self.index)
+
+
+def _rotate(pairs: torch.Tensor, freqs: torch.Tensor) -> None:
+    """Rotate ``pairs`` (``[tokens, heads, head_dim / 2, 2]``) in place by ``freqs``.
+
+    ``freqs`` is ``[tokens, 1, head_dim / 2]`` complex: each pair is a complex
+    number multiplied by its position's rotation, in float32.
+    """
+    if pairs.dtype == torch.float32:
+        torch.view_as_complex(pairs).mul_(freqs)
+    else:  # a half dtype on a GPU: rotate in float32, store back
+        pairs.copy_(torch.view_as_real(torch.view_as_complex(pairs.float()) * freqs))
+
+
+def _pairs_side_by_side(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q or k projection (or its bias) reordered so rotary pairs are adjacent.
+
+    Llama's rotary embedding turns dimension ``i`` of a head with dimension
+    ``i + head_dim / 2``; stored as ``(i, i + head_dim / 2)`` side by side
+    they read as one complex number. q and k are reordered alike, so every
+    attention score ``q . k`` is unchanged; v is not touched.
+    """
+    head_dim = weight.shape[0] // heads
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    shaped = weight.reshape(heads, head_dim, *weight.shape[1:])
+    return shaped.index_select(1, order.to(weight.device)).reshape(weight.shape)
 
 
 def _chunk_mask(chunk: Chunk, device: torch.device) -> torch.Tensor:

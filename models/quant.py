@@ -25,6 +25,7 @@ import torch.nn.functional as F
 GROUP_SIZE = 32
 """Input features sharing one scale and zero point (GGUF's Q4_0/Q4_1 block)."""
 
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}

@@ -213,4 +213,3 @@ def test_a_non_streaming_client_going_away_cancels_its_job(
         assert time.monotonic() < deadline, jobs
         time.sleep(0.2)
     assert all(j["attempts"] == 0 for j in jobs)
-

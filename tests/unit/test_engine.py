@@ -696,6 +696,35 @@ def test_a_resumed_seeded_request_draws_the_same_tokens(make_engine: MakeEngine)
         drain(h)
 
 
+def test_a_resumed_seeded_request_replays_its_tokens_one_a_step(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its first step prefills the prompt only: the resumed tokens then go one a step,
+    as the uninterrupted run computed them, so its cache is that run's to the bit (a
+    long seeded run resumed early drifted from its reference when they were prefilled
+    with the prompt: 400 tokens, cut at 50, first difference at token 298)."""
+    engine = make_engine()
+    p = prompts(engine, 1)[0]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=1234)
+    tokens, whole = drain(engine.submit(GenerationRequest("whole", p, params)))
+    cut = 20
+    done = tuple(ids_of(tokens[:cut]))
+    text = "".join(e.text for e in tokens[:cut])
+    steps: list[tuple[int, list[int]]] = []
+    original = engine.runtime.forward
+
+    def forward(step: StepInput, cache: Any) -> torch.Tensor:
+        steps.append((len(step.decode_slots), [c.length for c in step.chunks]))
+        return original(step, cache)
+
+    monkeypatch.setattr(engine.runtime, "forward", forward)
+    rest, finish = drain(engine.submit(GenerationRequest("resumed", p, params, done, text)))
+    assert done + tuple(ids_of(rest)) == tuple(ids_of(tokens))
+    assert finish.text == whole.text
+    assert steps[0] == (0, [len(p)])
+    assert all(step == (1, []) for step in steps[1:])
+
+
 def test_a_resume_that_already_reached_the_end_finishes_at_once(make_engine: MakeEngine) -> None:
     engine = make_engine()
     p = prompts(engine, 1)[0]
