@@ -131,6 +131,10 @@ class Accounts:
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._cache_lock = threading.Lock()
+        # One lookup of a token at a time: when its cache entry lapses, the
+        # thousands of open streams re-checking it must not all query at once
+        # (they emptied the connection pool: bench/LOAD.md).
+        self._lookups: dict[str, threading.Lock] = {}
         # A token's last-used time is written at most this often: one UPDATE
         # per request would turn every read of the API into a write.
         self.touch_interval = timedelta(seconds=touch_interval_s)
@@ -285,20 +289,39 @@ class Accounts:
         """
         digest = hash_token(secret)
         now = utcnow()
-        if self.cache_s > 0:
-            with self._cache_lock:
-                cached = self._cache.get(digest)
-            if cached is not None and cached[0] > time.monotonic():
-                known = cached[1]
-                if known.expires_at is None or known.expires_at > now:
-                    return known
-        principal = self._authenticate(digest, now)
-        if principal is not None and self.cache_s > 0:
-            with self._cache_lock:
-                if len(self._cache) >= MAX_CACHED_TOKENS:
-                    self._cache.clear()  # a flood of distinct tokens: start over
-                self._cache[digest] = (time.monotonic() + self.cache_s, principal)
+        if self.cache_s <= 0:
+            return self._authenticate(digest, now)
+        known = self._cached(digest, now)
+        if known is not None:
+            return known
+        with self._cache_lock:
+            if len(self._lookups) >= MAX_CACHED_TOKENS:
+                self._lookups.clear()
+            lookup = self._lookups.setdefault(digest, threading.Lock())
+        with lookup:
+            # Whoever held the lookup before us may have cached the answer.
+            known = self._cached(digest, now)
+            if known is not None:
+                return known
+            principal = self._authenticate(digest, now)
+            if principal is not None:
+                with self._cache_lock:
+                    if len(self._cache) >= MAX_CACHED_TOKENS:
+                        self._cache.clear()  # a flood of distinct tokens: start over
+                    self._cache[digest] = (time.monotonic() + self.cache_s, principal)
+        with self._cache_lock:
+            if self._lookups.get(digest) is lookup and not lookup.locked():
+                del self._lookups[digest]
         return principal
+
+    def _cached(self, digest: str, now: datetime) -> Principal | None:
+        with self._cache_lock:
+            cached = self._cache.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            known = cached[1]
+            if known.expires_at is None or known.expires_at > now:
+                return known
+        return None
 
     def _authenticate(self, digest: str, now: datetime) -> Principal | None:
         with self.db.session() as s:

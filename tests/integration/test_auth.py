@@ -222,3 +222,43 @@ def test_cli_manages_users_and_tokens(migrated: Settings, api_url: str) -> None:
     token_id = listing.splitlines()[1].split()[0]
     assert "revoked" in cli("token", "revoke", token_id)
     assert requests.get(f"{api_url}/v1/admin/models", headers=auth(secret)).status_code == 401
+
+
+def test_a_lapsed_cached_token_is_looked_up_once_by_many_callers(migrated: Settings) -> None:
+    """Thousands of open streams re-check one token: when its cache entry lapses, one
+    query answers them all (they used to empty the connection pool, bench/LOAD.md)."""
+    import threading
+
+    from sqlalchemy import event
+
+    from db.schema import Role
+
+    db = Database(migrated.database_url)
+    try:
+        cached = Accounts(db, cache_s=60.0)
+        name = f"herd-{uuid.uuid4().hex[:8]}"
+        cached.add_user(name, Role.user)
+        secret = cached.issue_token(name).secret
+        lookups: list[str] = []
+
+        def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if "api_tokens" in statement and statement.lstrip().upper().startswith("SELECT"):
+                lookups.append(statement)
+
+        event.listen(db.engine, "before_cursor_execute", count)
+        start = threading.Barrier(40)
+        answers: list[Any] = []
+
+        def call() -> None:
+            start.wait()
+            answers.append(cached.authenticate(secret))
+
+        threads = [threading.Thread(target=call) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(answers) == 40 and all(a is not None and a.user_name == name for a in answers)
+        assert len(lookups) == 1, f"{len(lookups)} lookups of one token"
+    finally:
+        db.dispose()
