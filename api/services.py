@@ -23,6 +23,7 @@ from api.streams import RelayHub
 from config import Catalog, Settings
 from db.accounts import Accounts
 from db.jobs import JobStore
+from db.lookups import LookupGate
 from db.session import Database
 from tasks.events import EventLog
 
@@ -48,6 +49,7 @@ class RowCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rows: dict[str, tuple[float, object]] = {}
+        self._loads = LookupGate(self.MAX_ROWS)
 
     def get(
         self,
@@ -63,13 +65,18 @@ class RowCache:
             hit = self._rows.get(key)
         if hit is not None and now - hit[0] < max_age:
             return hit[1]
-        value = load()
-        if not keep(value):
-            return value
-        with self._lock:
-            if len(self._rows) >= self.MAX_ROWS:
-                self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
-            self._rows[key] = (time.monotonic(), value)
+        with self._loads.held(key):  # one load of a lapsed row, not one per stream
+            with self._lock:
+                hit = self._rows.get(key)
+            if hit is not None and time.monotonic() - hit[0] < max_age:
+                return hit[1]
+            value = load()
+            if not keep(value):
+                return value
+            with self._lock:
+                if len(self._rows) >= self.MAX_ROWS:
+                    self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
+                self._rows[key] = (time.monotonic(), value)
         return value
 
 

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from db.lookups import LookupGate
 from db.schema import ApiToken, Role, User, utcnow
 from db.session import Database
 
@@ -131,10 +132,8 @@ class Accounts:
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._cache_lock = threading.Lock()
-        # One lookup of a token at a time: when its cache entry lapses, the
-        # thousands of open streams re-checking it must not all query at once
-        # (they emptied the connection pool: bench/LOAD.md).
-        self._lookups: dict[str, threading.Lock] = {}
+        # One lookup of a token at a time (db/lookups.py).
+        self._lookups = LookupGate(MAX_CACHED_TOKENS)
         # A token's last-used time is written at most this often: one UPDATE
         # per request would turn every read of the API into a write.
         self.touch_interval = timedelta(seconds=touch_interval_s)
@@ -294,11 +293,7 @@ class Accounts:
         known = self._cached(digest, now)
         if known is not None:
             return known
-        with self._cache_lock:
-            if len(self._lookups) >= MAX_CACHED_TOKENS:
-                self._lookups.clear()
-            lookup = self._lookups.setdefault(digest, threading.Lock())
-        with lookup:
+        with self._lookups.held(digest):
             # Whoever held the lookup before us may have cached the answer.
             known = self._cached(digest, now)
             if known is not None:
@@ -309,9 +304,6 @@ class Accounts:
                     if len(self._cache) >= MAX_CACHED_TOKENS:
                         self._cache.clear()  # a flood of distinct tokens: start over
                     self._cache[digest] = (time.monotonic() + self.cache_s, principal)
-        with self._cache_lock:
-            if self._lookups.get(digest) is lookup and not lookup.locked():
-                del self._lookups[digest]
         return principal
 
     def _cached(self, digest: str, now: datetime) -> Principal | None:

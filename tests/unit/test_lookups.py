@@ -1,0 +1,35 @@
+"""One load per key at a time (db/lookups.py) and the API's job-row cache built on it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from api.services import RowCache
+
+
+def test_a_lapsed_row_is_loaded_once_for_every_waiting_stream() -> None:
+    rows = RowCache()
+    loads: list[str] = []
+    start = threading.Barrier(50)
+    got: list[object] = []
+
+    def load() -> object:
+        loads.append("job-1")
+        time.sleep(0.05)  # a query: the other streams arrive meanwhile
+        return {"status": "running"}
+
+    def stream() -> None:
+        start.wait()
+        got.append(rows.get("job-1", 10.0, load))
+
+    threads = [threading.Thread(target=stream) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [{"status": "running"}] * 50
+    assert loads == ["job-1"]
+    # Another key is not held up by this one, and a value not kept is loaded again.
+    assert rows.get("job-2", 10.0, lambda: None, keep=lambda v: v is not None) is None
+    assert rows.get("job-2", 10.0, lambda: "ended", keep=lambda v: v is not None) == "ended"
