@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import redis
 from flask import Response, request, stream_with_context
@@ -40,6 +40,7 @@ from wsproto.events import CloseConnection, TextMessage
 
 from api.wire import WriteTimeout, wire_of
 from config import Settings
+from db.lookups import RowCache
 from tasks.events import EventLog, JobEvent
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,8 @@ class Subscription:
         try:
             event = self.queue.get(timeout=self.hub.settings.relay_poll_s)
         except queue.Empty:
-            # Cheap check first: an idle job costs one XREVRANGE per poll.
-            if self.hub.events.last_seq(self.job_id) > last:
+            # Cheap check first: an idle job costs one XREVRANGE per poll and process.
+            if self.hub.last_seq(self.job_id) > last:
                 return self.hub.events.history(self.job_id, after=last) or None
             return None
         if event.seq <= last:
@@ -176,6 +177,13 @@ class RelayHub:
         self._commands: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._last_seqs = RowCache()
+
+    def last_seq(self, job_id: str) -> int:
+        """The job's last event number in its stream, read at most every half
+        ``relay_poll_s`` in this process however many of its streams ask."""
+        max_age = self.settings.relay_poll_s / 2
+        return cast(int, self._last_seqs.get(job_id, max_age, lambda: self.events.last_seq(job_id)))
 
     def subscribe(self, job_id: str) -> Subscription:
         """Register for a job's live events; returns once Redis confirmed (or after a bound)."""

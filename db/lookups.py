@@ -10,7 +10,8 @@ others wait for it, then find its answer in the cache.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -36,3 +37,48 @@ class LookupGate:
             with self._lock:
                 if self._gates.get(key) is gate and not gate.locked():
                     del self._gates[key]
+
+
+class RowCache:
+    """Values read for streams (a job's row, its last event number), shared by every
+    stream of a job in this process.
+
+    Ten thousand quiet streams each re-reading their job's row would be
+    thousands of queries a second and would empty the connection pool; a few
+    hundred jobs' rows, each read at most once per ``max_age``, are not.
+    """
+
+    MAX_ROWS = 20_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, tuple[float, object]] = {}
+        self._loads = LookupGate(self.MAX_ROWS)
+
+    def get(
+        self,
+        key: str,
+        max_age: float,
+        load: Callable[[], object],
+        keep: Callable[[object], bool] = lambda _value: True,
+    ) -> object:
+        """The value of ``key`` loaded at most ``max_age`` seconds ago, else ``load()``'s
+        (kept for the next callers only when ``keep(value)``)."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._rows.get(key)
+        if hit is not None and now - hit[0] < max_age:
+            return hit[1]
+        with self._loads.held(key):  # one load of a lapsed row, not one per stream
+            with self._lock:
+                hit = self._rows.get(key)
+            if hit is not None and time.monotonic() - hit[0] < max_age:
+                return hit[1]
+            value = load()
+            if not keep(value):
+                return value
+            with self._lock:
+                if len(self._rows) >= self.MAX_ROWS:
+                    self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
+                self._rows[key] = (time.monotonic(), value)
+        return value

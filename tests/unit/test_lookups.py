@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from api.services import RowCache
+from db.lookups import RowCache
 
 
 def test_a_lapsed_row_is_loaded_once_for_every_waiting_stream() -> None:
