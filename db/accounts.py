@@ -9,15 +9,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from db.lookups import LookupGate
+from db.lookups import RowCache
 from db.schema import ApiToken, Role, User, utcnow
 from db.session import Database
 
@@ -130,18 +128,15 @@ class Accounts:
         # requests with one token costs one query; a revocation, a role change or
         # an expiry takes effect within it. Invalid tokens are never kept.
         self.cache_s = cache_s
-        self._cache: dict[str, tuple[float, Principal]] = {}
-        self._cache_lock = threading.Lock()
-        # One lookup of a token at a time (db/lookups.py).
-        self._lookups = LookupGate(MAX_CACHED_TOKENS)
+        # Valid tokens' principals, one lookup of a token at a time (db/lookups.py).
+        self._cache = RowCache(MAX_CACHED_TOKENS)
         # A token's last-used time is written at most this often: one UPDATE
         # per request would turn every read of the API into a write.
         self.touch_interval = timedelta(seconds=touch_interval_s)
 
     def forget_tokens(self) -> None:
         """Empty the token cache: the next lookup of every token reads the database."""
-        with self._cache_lock:
-            self._cache.clear()
+        self._cache.clear()
 
     def has_users(self) -> bool:
         with self.db.session() as s:
@@ -290,30 +285,16 @@ class Accounts:
         now = utcnow()
         if self.cache_s <= 0:
             return self._authenticate(digest, now)
-        known = self._cached(digest, now)
-        if known is not None:
-            return known
-        with self._lookups.held(digest):
-            # Whoever held the lookup before us may have cached the answer.
-            known = self._cached(digest, now)
-            if known is not None:
-                return known
-            principal = self._authenticate(digest, now)
-            if principal is not None:
-                with self._cache_lock:
-                    if len(self._cache) >= MAX_CACHED_TOKENS:
-                        self._cache.clear()  # a flood of distinct tokens: start over
-                    self._cache[digest] = (time.monotonic() + self.cache_s, principal)
-        return principal
-
-    def _cached(self, digest: str, now: datetime) -> Principal | None:
-        with self._cache_lock:
-            cached = self._cache.get(digest)
-        if cached is not None and cached[0] > time.monotonic():
-            known = cached[1]
-            if known.expires_at is None or known.expires_at > now:
-                return known
-        return None
+        known = self._cache.get(
+            digest,
+            self.cache_s,
+            lambda: self._authenticate(digest, now),
+            keep=lambda principal: principal is not None,  # invalid tokens are never kept
+        )
+        assert known is None or isinstance(known, Principal)
+        if known is not None and known.expires_at is not None and known.expires_at <= now:
+            return self._authenticate(digest, now)  # expired while cached: the row says why
+        return known
 
     def _authenticate(self, digest: str, now: datetime) -> Principal | None:
         with self.db.session() as s:

@@ -40,8 +40,9 @@ class LookupGate:
 
 
 class RowCache:
-    """Values read for streams (a job's row, its last event number), shared by every
-    stream of a job in this process.
+    """Values read from the database or Redis for many callers (a job's row for its
+    streams, a token's principal for its requests), each loaded once per
+    ``max_age`` in this process, and once at a time (:class:`LookupGate`).
 
     Ten thousand quiet streams each re-reading their job's row would be
     thousands of queries a second and would empty the connection pool; a few
@@ -50,10 +51,16 @@ class RowCache:
 
     MAX_ROWS = 20_000
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int = MAX_ROWS) -> None:
+        self.max_rows = max_rows
         self._lock = threading.Lock()
         self._rows: dict[str, tuple[float, object]] = {}
-        self._loads = LookupGate(self.MAX_ROWS)
+        self._loads = LookupGate(max_rows)
+
+    def clear(self) -> None:
+        """Forget every value: the next :meth:`get` of each key loads it again."""
+        with self._lock:
+            self._rows.clear()
 
     def get(
         self,
@@ -78,7 +85,7 @@ class RowCache:
             if not keep(value):
                 return value
             with self._lock:
-                if len(self._rows) >= self.MAX_ROWS:
+                if len(self._rows) >= self.max_rows:
                     self._rows = {k: v for k, v in self._rows.items() if now - v[0] < max_age}
                 self._rows[key] = (time.monotonic(), value)
         return value

@@ -74,10 +74,15 @@ FLOAT32_PADDED_ROWS = range(8, 16)
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in the weight's dtype (float32 inputs of 8 to 15 rows padded to 16)."""
+    """``x @ weight.T`` in the weight's dtype (on a CPU, float32 inputs of 8 to 15 rows
+    padded to 16)."""
     x = x.to(weight.dtype)
     rows = x.shape[0]
-    if weight.dtype == torch.float32 and rows in FLOAT32_PADDED_ROWS:
+    if (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and rows in FLOAT32_PADDED_ROWS
+    ):
         padded = x.new_zeros(FLOAT32_PADDED_ROWS.stop, x.shape[1])
         padded[:rows] = x
         return F.linear(padded, weight)[:rows]
