@@ -26,7 +26,7 @@ from api.openapi import spec
 from api.schemas import json_body, parse
 from api.services import services
 from db.accounts import DuplicateUser, TokenInfo, UnknownUser, UserInfo
-from db.overrides import UNSET, ModelOverrides, apply
+from db.overrides import UNSET, ModelOverrides, apply, cache_key
 from db.schema import Role, utcnow
 
 bp = Blueprint("admin", __name__)
@@ -267,4 +267,5 @@ def patch_model(name: str) -> Response:
         enabled=body.enabled if "enabled" in body.model_fields_set else UNSET,
         public=body.public if "public" in body.model_fields_set else UNSET,
     )
+    svc.rows.forget(cache_key(name))  # at once here; within a second in other processes
     return jsonify(_model_view(name, model_states(svc)))

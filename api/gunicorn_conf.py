@@ -13,6 +13,7 @@ where gthread would need 10,000 threads.
 
 import logging
 import resource
+from typing import Any
 
 from config import load_settings
 
@@ -85,3 +86,19 @@ def post_fork(_server: object, _worker: object) -> None:
         from psycogreen.gevent import patch_psycopg
 
         patch_psycopg()
+
+
+def post_worker_init(worker: Any) -> None:
+    # The app's loops (the reaper, when reaper_in_api) start after the fork, in
+    # the process that serves, and stop with it.
+    _services_of(worker).start_background()
+
+
+def worker_exit(_server: object, worker: Any) -> None:
+    _services_of(worker).close()
+
+
+def _services_of(worker: Any) -> Any:
+    from api.services import EXTENSION
+
+    return worker.wsgi.extensions[EXTENSION]

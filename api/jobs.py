@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from flask import Blueprint, Response, jsonify, request
 from kombu.exceptions import OperationalError as BrokerError
@@ -60,7 +60,7 @@ from api.streams import (
 from config import ModelDefinition
 from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
-from db.overrides import ModelOverrides, apply
+from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
 from tasks.celery import GENERATE_TASK
 from tasks.events import JobEvent
@@ -127,7 +127,10 @@ def served_model(name: str) -> ModelDefinition:
     svc = services()
     definition = svc.catalog.get(name)
     if definition is not None:
-        definition = apply(definition, ModelOverrides(svc.db).get(name))
+        override = svc.rows.get(
+            cache_key(name), CACHE_MAX_AGE_S, lambda: ModelOverrides(svc.db).get(name)
+        )
+        definition = apply(definition, cast(Override | None, override))
     if definition is None or not definition.enabled:
         raise NotFound(f"model {name!r} is not served here", field="model")
     return definition
@@ -188,6 +191,10 @@ def _replay(earlier: Job, digest: str) -> Submitted:
     return Submitted(earlier, replayed=True)
 
 
+AWAKE_MAX_AGE_S = 1.0
+"""How often one process checks (and wakes) a model's scaler as jobs arrive."""
+
+
 def submit_job(
     req: JobRequest, principal: Principal | None, *, idempotency_key: str | None = None
 ) -> Submitted:
@@ -223,8 +230,8 @@ def submit_job(
         earlier = svc.jobs.by_idempotency_key(scoped_key)
         if earlier is not None:
             return _replay(earlier, digest)
-    check_capacity(definition, svc.redis, svc.db, svc.settings)
-    check_queue(definition, svc.jobs, svc.settings)
+    check_capacity(definition, svc.redis, svc.db, svc.settings, svc.rows)
+    check_queue(definition, svc.jobs, svc.settings, svc.rows)
     caller = caller_for(principal, client_address(), svc.settings)
     limiter = Limiter(svc.redis, svc.settings)
     admission = limiter.admit_request(caller)
@@ -281,7 +288,12 @@ def submit_job(
         if isinstance(exc, (BrokerError, OSError)) or "redis" in type(exc).__module__:
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         raise
-    wake_if_idle(svc.redis, svc.settings, req.model)  # a model at zero starts a worker now
+    # A model at zero starts a worker now: at most one check (and wake-up) per
+    # model a second per process; a lost wake-up only waits for the scaler's tick.
+    awake = f"awake:{req.model}"
+    if not svc.rows.peek(awake, AWAKE_MAX_AGE_S):
+        wake_if_idle(svc.redis, svc.settings, req.model)
+        svc.rows.put(awake, True)
     return Submitted(job)
 
 

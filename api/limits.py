@@ -33,6 +33,7 @@ from api.services import services
 from config import ModelDefinition, Settings
 from db.accounts import Principal
 from db.jobs import JobStore
+from db.lookups import RowCache
 from db.schema import ScalingOverride
 from db.session import Database
 from workers.heartbeat import list_workers
@@ -212,10 +213,32 @@ def max_queue_length(definition: ModelDefinition, settings: Settings) -> int:
     return settings.max_queue_length
 
 
-def check_queue(definition: ModelDefinition, jobs: JobStore, settings: Settings) -> None:
-    """:class:`RateLimited` when ``definition``'s queue is full."""
+QUEUE_COUNT_MAX_AGE_S = 1.0
+"""How old a model's queue count may be when its queue is far from full."""
+QUEUE_COUNT_SLACK = 500
+"""Jobs the API hosts might accept within :data:`QUEUE_COUNT_MAX_AGE_S`
+(issue 13's 500 submissions a second per host): a queue with at least this
+much room left a second ago is not counted again for every submission."""
+
+
+def check_queue(
+    definition: ModelDefinition, jobs: JobStore, settings: Settings, rows: RowCache
+) -> None:
+    """:class:`RateLimited` when ``definition``'s queue is full.
+
+    Counting the queue is a query over its rows; a queue that had
+    :data:`QUEUE_COUNT_SLACK` or more free places under a second ago cannot
+    have filled since, so the count is reused. Near the limit every
+    submission counts exactly.
+    """
     limit = max_queue_length(definition, settings)
-    if jobs.waiting_count(definition.name) >= limit:
+    key = f"waiting:{definition.name}"
+    recent = rows.peek(key, QUEUE_COUNT_MAX_AGE_S)
+    if isinstance(recent, int) and recent <= limit - QUEUE_COUNT_SLACK:
+        return
+    waiting = jobs.waiting_count(definition.name)
+    rows.put(key, waiting)
+    if waiting >= limit:
         raise RateLimited(
             f"the queue of {definition.name} is full ({limit} jobs waiting); retry later",
             settings.retry_after_s,
@@ -235,18 +258,32 @@ def _max_replicas(definition: ModelDefinition, db: Database) -> int:
     return definition.scaling.max_replicas
 
 
+LIVE_WORKER_MAX_AGE_S = 1.0
+"""How long a process trusts that a model had a live worker, before reading the registry again."""
+
+
 def check_capacity(
-    definition: ModelDefinition, client: redis.Redis, db: Database, settings: Settings
+    definition: ModelDefinition,
+    client: redis.Redis,
+    db: Database,
+    settings: Settings,
+    rows: RowCache,
 ) -> None:
     """:class:`Unavailable` when no worker of ``definition`` can ever come.
 
     That is: no live worker and scaling allows none, or every registered worker
     failed. A model merely at zero replicas, or starting, passes: its queue
-    holds the job until a worker is up.
+    holds the job until a worker is up. A model seen with a live worker under
+    :data:`LIVE_WORKER_MAX_AGE_S` ago passes without reading the registry (a
+    job sent as its last worker dies waits for the next, as any queued job does).
     """
+    key = f"live:{definition.name}"
+    if rows.peek(key, LIVE_WORKER_MAX_AGE_S):
+        return
     workers = [w for w in list_workers(client, settings) if w.get("model") == definition.name]
     live = [w for w in workers if not w["lost"] and w["state"] in ("starting", "ready")]
     if live:
+        rows.put(key, True)
         return
     if _max_replicas(definition, db) == 0:
         raise Unavailable(

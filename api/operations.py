@@ -83,8 +83,10 @@ def _reaper_of(svc: Services) -> Reaper:
 def init_app(app: Flask, svc: Services) -> None:
     """Register the routes and, if ``reaper_in_api``, the reaper loop.
 
-    The loop's thread starts with the process's first request, not here, so
-    gunicorn forks before any thread exists.
+    The loop is only registered here: gunicorn's ``post_worker_init`` starts it
+    in each worker after the fork (:meth:`Services.start_background`), and its
+    ``worker_exit`` stops it. An app built in a test runs no reaper unless the
+    test starts it.
     """
     app.register_blueprint(bp)
     if not svc.settings.reaper_in_api:
@@ -92,4 +94,3 @@ def init_app(app: Flask, svc: Services) -> None:
     loop = ReaperLoop(svc.settings, lambda: _reaper_of(svc))
     app.extensions[REAPER_EXTENSION] = loop
     svc.background.append(loop)
-    app.before_request(loop.ensure_started)

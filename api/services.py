@@ -30,6 +30,8 @@ EXTENSION = "switchyard"
 class Background(Protocol):
     """A loop an API process runs beside its requests (e.g. the reaper)."""
 
+    def ensure_started(self) -> None: ...
+
     def stop(self) -> None: ...
 
 
@@ -47,6 +49,15 @@ class Services:
     caps: StreamCaps
     rows: RowCache = field(default_factory=RowCache)
     background: list[Background] = field(default_factory=list)
+
+    def start_background(self) -> None:
+        """Start the process's loops: gunicorn's ``post_worker_init`` calls this.
+
+        An app built in a test or a script runs none unless it asks; one that
+        does stops them with :meth:`close`.
+        """
+        for loop in self.background:
+            loop.ensure_started()
 
     def close(self) -> None:
         for loop in self.background:

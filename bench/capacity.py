@@ -36,11 +36,9 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -301,40 +299,86 @@ def streams_phase(farm: LoadFarm, args: argparse.Namespace, kind: str, report: R
         print(f"  e.g. {errors[0]!r} ({len(errors)} streams with an error)", flush=True)
 
 
+class Poster:
+    """One keep-alive HTTP/1.1 connection that POSTs a fixed JSON body (raw asyncio).
+
+    A threaded ``requests`` client spends more CPU a request than the API does
+    (and this machine's two cores are shared with it), so it measured itself.
+    """
+
+    def __init__(self, port: int, path: str, body: bytes, token: str) -> None:
+        self.port = port
+        self.request = (
+            f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self) -> int:
+        """Send the request once; the response's status code."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
+        assert self.reader is not None
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = 0
+        close = False
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+            elif name.lower() == "connection" and value.strip().lower() == "close":
+                close = True
+        await self.reader.readexactly(length)
+        if close:
+            self.close()
+        return status
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 def submit_phase(farm: LoadFarm, args: argparse.Namespace, report: Report) -> None:
     farm.consuming(False)
     api = psutil.Process(farm.api_pid)
-    latencies: list[float] = []
-    refused = 0
-    lock = threading.Lock()
-    stop_at = time.perf_counter() + args.submit_s
+    port = farm.settings.api_port
+    bodies = [
+        json.dumps({"model": model, "messages": CHAT, "params": {"max_new_tokens": 4}}).encode()
+        for model in MODELS[:2]
+    ]
 
-    def client(k: int) -> None:
-        nonlocal refused
-        with requests.Session() as s:
-            while time.perf_counter() < stop_at:
-                t0 = time.perf_counter()
-                r = s.post(
-                    f"{farm.base}/v1/jobs",
-                    json={
-                        "model": MODELS[k % 2],
-                        "messages": CHAT,
-                        "params": {"max_new_tokens": 4},
-                    },
-                    headers={"Authorization": f"Bearer {farm.token}"},
-                    timeout=30,
-                )
-                with lock:
-                    if r.status_code == 202:
+    def poster(k: int) -> Poster:
+        return Poster(port, "/v1/jobs", bodies[k % 2], farm.token)
+
+    async def closed_loop() -> tuple[list[float], int, float, float]:
+        latencies: list[float] = []
+        refused = 0
+        stop_at = time.perf_counter() + args.submit_s
+
+        async def client(k: int) -> None:
+            nonlocal refused
+            conn = poster(k)
+            try:
+                while time.perf_counter() < stop_at:
+                    t0 = time.perf_counter()
+                    if await conn.post() == 202:
                         latencies.append(time.perf_counter() - t0)
                     else:
                         refused += 1
+            finally:
+                conn.close()
 
-    cpu0, t0 = cpu_seconds(api.pid), time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as pool:
-        list(pool.map(client, range(args.clients)))
-    wall = time.perf_counter() - t0
-    cpu = cpu_seconds(api.pid) - cpu0
+        cpu0, t0 = cpu_seconds(api.pid), time.perf_counter()
+        await asyncio.gather(*(client(k) for k in range(args.clients)))
+        return latencies, refused, time.perf_counter() - t0, cpu_seconds(api.pid) - cpu0
+
+    latencies, refused, wall, cpu = asyncio.run(closed_loop())
     rate = len(latencies) / wall
     report.row(
         f"submit: accepted/s at {args.clients} closed-loop clients", f"{rate:,.0f}", rate >= 500
@@ -348,37 +392,47 @@ def submit_phase(farm: LoadFarm, args: argparse.Namespace, report: Report) -> No
     if refused:
         report.row("submit: refused (not 202)", f"{refused:,}")
 
-    # Open loop: requests start on a fixed schedule whatever the answers take.
-    open_lat: list[float] = []
+    # Open loop: requests start on a fixed schedule whatever the answers take,
+    # each on a free connection of a pool (a new one when all are busy).
     n = int(args.rate * args.open_s)
 
-    def fire(i: int, session: requests.Session) -> None:
-        t0 = time.perf_counter()
-        r = session.post(
-            f"{farm.base}/v1/jobs",
-            json={"model": MODELS[i % 2], "messages": CHAT, "params": {"max_new_tokens": 4}},
-            headers={"Authorization": f"Bearer {farm.token}"},
-            timeout=30,
-        )
-        if r.status_code == 202:
-            with lock:
-                open_lat.append(time.perf_counter() - t0)
+    async def open_loop() -> list[float]:
+        open_lat: list[float] = []
+        idle = [poster(k) for k in range(64)]
+        made = len(idle)
 
-    sessions = [requests.Session() for _ in range(64)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(64) as pool:
+        async def fire(i: int) -> None:
+            nonlocal made
+            if idle:
+                conn = idle.pop()
+            else:
+                made += 1
+                conn = poster(made)
+            t0 = time.perf_counter()
+            try:
+                if await conn.post() == 202:
+                    open_lat.append(time.perf_counter() - t0)
+            finally:
+                idle.append(conn)
+
+        start = time.perf_counter()
+        tasks = []
         for i in range(n):
             delay = start + i / args.rate - time.perf_counter()
             if delay > 0:
-                time.sleep(delay)
-            pool.submit(fire, i, sessions[i % 64])
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire(i)))
+        await asyncio.gather(*tasks)
+        for conn in idle:
+            conn.close()
+        return open_lat
+
+    open_lat = asyncio.run(open_loop())
     report.row(
         f"submit: open loop at {args.rate:.0f}/s offered, p50 / p99",
         f"{pct(open_lat, 0.5) * 1e3:.1f} / {pct(open_lat, 0.99) * 1e3:.1f} ms "
         f"({len(open_lat)}/{n})",
     )
-    for s in sessions:
-        s.close()
     farm.consuming(True)
 
 

@@ -57,6 +57,25 @@ class RowCache:
         self._rows: dict[str, tuple[float, object]] = {}
         self._loads = LookupGate(max_rows)
 
+    def peek(self, key: str, max_age: float) -> object | None:
+        """The value of ``key`` if it was stored at most ``max_age`` seconds ago, else None."""
+        with self._lock:
+            hit = self._rows.get(key)
+        return hit[1] if hit is not None and time.monotonic() - hit[0] < max_age else None
+
+    def put(self, key: str, value: object) -> None:
+        """Store ``value`` for ``key`` as read now."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._rows) >= self.max_rows:
+                self._rows.clear()  # a flood of distinct keys: start over
+            self._rows[key] = (now, value)
+
+    def forget(self, key: str) -> None:
+        """Drop ``key``: the next :meth:`get` loads it again (e.g. after a local write)."""
+        with self._lock:
+            self._rows.pop(key, None)
+
     def clear(self) -> None:
         """Forget every value: the next :meth:`get` of each key loads it again."""
         with self._lock:

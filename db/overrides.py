@@ -1,8 +1,10 @@
 """Run-time overrides of model definitions: enabled and public, set by operators.
 
 The YAML file is the default; a row here wins for each column that is not
-null. Every API process reads the row at each submission (one primary-key
-lookup), so a change applies everywhere at once.
+null. An API process reads a model's row at most once per
+:data:`CACHE_MAX_AGE_S` (one primary-key lookup a second, not one a
+submission): an operator's change applies at once in the process that made
+it and within a second everywhere else.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from config import ModelDefinition
 from db.schema import ModelOverride, utcnow
 from db.session import Database
 
+CACHE_MAX_AGE_S = 1.0
+"""How old an API process's copy of a model's override may be."""
+
 UNSET: object = object()
 """Leave a column as it is (None resets it to the definition's value)."""
 
@@ -25,6 +30,11 @@ class Override:
     enabled: bool | None
     public: bool | None
     updated_by: str
+
+
+def cache_key(model: str) -> str:
+    """The key of ``model``'s override in an API process's row cache."""
+    return f"override:{model}"
 
 
 def apply(definition: ModelDefinition, override: Override | None) -> ModelDefinition:

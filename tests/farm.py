@@ -196,6 +196,7 @@ def serve_app_in_thread(settings: Settings) -> Iterator[str]:
     from api import create_app
 
     app = create_app(settings)
+    app.extensions["switchyard"].start_background()  # the reaper, as gunicorn's hook does
     server = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -46,6 +46,7 @@ from datetime import timedelta
 
 import redis
 from celery import Celery
+from sqlalchemy import exc as sa_exc
 
 from config import Settings
 from db.jobs import JobStore
@@ -273,6 +274,10 @@ class ReaperLoop:
                     done = reaper.sweep()
                     if done:
                         log.info("reaper: %d job(s) recovered", len(done))
-            except Exception:  # a sweep that failed is retried next tick
+            except (redis.ConnectionError, redis.TimeoutError, sa_exc.OperationalError) as exc:
+                # A service that is down is retried next tick; its traceback every
+                # tick would only bury the log (and costs a parse per line).
+                log.warning("reaper sweep failed, retrying in %.0f s: %s", interval, exc)
+            except Exception:  # anything else is a bug worth its traceback
                 log.exception("reaper sweep failed")
             self._stop.wait(interval)

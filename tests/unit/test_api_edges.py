@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from flask.testing import FlaskClient
@@ -14,12 +15,20 @@ from config.settings import PROJECT_ROOT
 
 
 @pytest.fixture()
-def client() -> FlaskClient:
+def client() -> Iterator[FlaskClient]:
     # Unreachable services: these requests must be answered without them.
+    # No reaper thread: one per test, each failing to reach Redis, only adds noise.
     settings = load_settings(
-        {}, database_url="sqlite:///:memory:", redis_url="redis://127.0.0.1:1/0"
+        {},
+        database_url="sqlite:///:memory:",
+        redis_url="redis://127.0.0.1:1/0",
+        reaper_in_api=False,
     )
-    return create_app(settings).test_client()
+    app = create_app(settings)
+    try:
+        yield app.test_client()
+    finally:
+        app.extensions["switchyard"].close()
 
 
 def test_healthz_needs_no_dependency(client: FlaskClient) -> None:
