@@ -297,14 +297,20 @@ def submit_job(
     return Submitted(job)
 
 
-def visible_job(job_id: str, principal: Principal | None) -> Job:
+def visible_job(job_id: str, principal: Principal | None, *, shared: bool = False) -> Job:
     """A job the caller may see (and cancel); 404 for unknown ids and other users' jobs alike.
 
     A user's job: its owner, operators and admins. An anonymous job (a public
     model, no token): whoever has its id, which is a capability like a
     capability URL (122 random bits, only ever given to its submitter).
+
+    ``shared`` (a stream opening): an unfinished job's row may come from the
+    process's row cache (:func:`job_row`, dropped when a stream here sees the
+    job end): its owner never changes, and the stream itself says how the job
+    goes on. Ten thousand sockets following two
+    hundred jobs then read two hundred rows, not ten thousand.
     """
-    job = services().jobs.get(job_id)
+    job = job_row(job_id) if shared else services().jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}")
     if job.user_id is not None:
@@ -404,6 +410,23 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
     return JobEvent(seq, "done", fields)
 
 
+def job_row_key(job_id: str) -> str:
+    return f"job:{job_id}"
+
+
+def job_row(job_id: str) -> Job | None:
+    """``job_id``'s row, read at most every :data:`RECORD_CHECK_S` in this process
+    while the job has not ended (one read for all its streams, at a time)."""
+    svc = services()
+    found = svc.rows.get(
+        job_row_key(job_id),
+        RECORD_CHECK_S,
+        lambda: svc.jobs.get(job_id),
+        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
+    )
+    return found if isinstance(found, Job) else None
+
+
 def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
     """The row's final event if ``job_id`` has ended in the database, else None.
 
@@ -411,14 +434,7 @@ def _ended_by_record(job_id: str, last: int) -> JobEvent | None:
     per job in this process, however many streams follow the job; an ended
     one is never taken from that cache (a final answer comes from a fresh read).
     """
-    svc = services()
-    found = svc.rows.get(
-        f"job:{job_id}",
-        RECORD_CHECK_S,
-        lambda: svc.jobs.get(job_id),
-        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
-    )
-    job = found if isinstance(found, Job) else None
+    job = job_row(job_id)
     if job is None or not JobStatus(job.status).final:
         return None
     seq = max(last, services().events.last_seq(job_id)) + 1
@@ -475,6 +491,9 @@ def _follow(
                     if watch is not None and sub.lagging:
                         raise SlowClient("the subscription is lagging")
                     last = event.seq
+                    if event.final:
+                        # The row changed: the next stream to open reads it again.
+                        services().rows.forget(job_row_key(job.id))
                     yield event
                     if event.final:
                         return
@@ -643,7 +662,7 @@ def _after_param(raw: str | None) -> int:
 def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
     principal = optional_principal(allow_query=True)
-    job = visible_job(job_id, principal)
+    job = visible_job(job_id, principal, shared=True)
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
     svc = services()
     settings = svc.settings
@@ -685,7 +704,7 @@ def job_socket(ws: Any, job_id: str) -> None:
     svc = services()
     try:
         principal = optional_principal(allow_query=True)
-        job = visible_job(job_id, principal)
+        job = visible_job(job_id, principal, shared=True)
         after = _after_param(request.args.get("after"))
         stream = svc.caps.take(principal, client_address())
     except ApiError as exc:

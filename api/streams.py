@@ -111,7 +111,7 @@ class Subscription:
         long (callers use it to send keep-alives and check their client).
         """
         last = after
-        for event in self.hub.events.history(self.job_id, after=last):
+        for event in self.hub.opening_history(self.job_id, after=last):
             yield event
             last = event.seq
             if event.final:
@@ -178,12 +178,31 @@ class RelayHub:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._last_seqs = RowCache()
+        # Whole histories, briefly: bounded to what a few seconds of openings ask for.
+        self._histories = RowCache(max_rows=2_000)
 
     def last_seq(self, job_id: str) -> int:
         """The job's last event number in its stream, read at most every half
         ``relay_poll_s`` in this process however many of its streams ask."""
         max_age = self.settings.relay_poll_s / 2
         return cast(int, self._last_seqs.get(job_id, max_age, lambda: self.events.last_seq(job_id)))
+
+    def opening_history(self, job_id: str, after: int) -> list[JobEvent]:
+        """The events after ``after`` that a new subscription starts from.
+
+        Read from Redis at most every half ``relay_poll_s`` per job in this
+        process, however many of its streams open at once (fifty sockets on one
+        job's answer: one read, not fifty). A copy that misses the newest
+        events is safe: the subscription is live before this is read, a live
+        event past a gap re-reads the history, and a quiet one compares
+        :meth:`last_seq` within ``relay_poll_s``.
+        """
+        max_age = self.settings.relay_poll_s / 2
+        found = cast(
+            list[JobEvent],
+            self._histories.get(job_id, max_age, lambda: self.events.history(job_id)),
+        )
+        return [event for event in found if event.seq > after]
 
     def subscribe(self, job_id: str) -> Subscription:
         """Register for a job's live events; returns once Redis confirmed (or after a bound)."""
