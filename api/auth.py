@@ -13,13 +13,17 @@ credential expects it to be used.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from flask import request
+from sqlalchemy.exc import SQLAlchemyError
 
 from api.errors import Forbidden, Unauthorized
 from api.services import services
 from db.accounts import Principal
+
+log = logging.getLogger(__name__)
 
 SUBPROTOCOL = "switchyard"
 SUBPROTOCOL_TOKEN_PREFIX = "bearer."
@@ -105,4 +109,12 @@ class TokenRecheck:
         if self.token is None or time.monotonic() < self._next:
             return True
         self._next = time.monotonic() + self.every_s
-        return services().accounts.authenticate(self.token) is not None
+        try:
+            return services().accounts.authenticate(self.token) is not None
+        except SQLAlchemyError as exc:
+            # The database is busy or down: the token was valid at the last
+            # check; ask again next time rather than cut a working stream.
+            log.info(
+                "token re-check skipped (%s); retried in %.0f s", type(exc).__name__, self.every_s
+            )
+            return True

@@ -203,6 +203,12 @@ class LoadFarm:
         )
 
     def start(self) -> None:
+        from tasks.messages import queue_keys
+
+        # Messages an interrupted earlier run left in the bench's own queues
+        # (their jobs are gone) would come before this run's: tens of thousands
+        # after a few submit phases, which then never ended in time.
+        self.redis.delete(*(key for model in MODELS for key in queue_keys(model)))
         self.api = start_api(self.env, self.api_threads, self.log_dir)
         for model in MODELS:
             for i in range(self.per_model):
