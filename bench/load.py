@@ -203,11 +203,26 @@ class LoadFarm:
         )
 
     def start(self) -> None:
+        from sqlalchemy import update
+
+        from db.schema import Job, JobStatus, utcnow
+        from db.session import Database
         from tasks.messages import queue_keys
 
-        # Messages an interrupted earlier run left in the bench's own queues
-        # (their jobs are gone) would come before this run's: tens of thousands
-        # after a few submit phases, which then never ended in time.
+        # What an earlier run left in the bench's own models (a capacity run's
+        # submit phase queues thousands of jobs no worker takes; an interrupted
+        # run leaves more) would come before this run's messages and fill the
+        # queue's limit: those jobs are cancelled and their messages dropped.
+        db = Database(self.settings.database_url)
+        try:
+            with db.session() as s:
+                s.execute(
+                    update(Job)
+                    .where(Job.model.in_(MODELS), Job.status == JobStatus.queued.value)
+                    .values(status=JobStatus.cancelled.value, finished_at=utcnow())
+                )
+        finally:
+            db.dispose()
         self.redis.delete(*(key for model in MODELS for key in queue_keys(model)))
         self.api = start_api(self.env, self.api_threads, self.log_dir)
         for model in MODELS:
