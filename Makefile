@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: run test test-unit test-integration test-e2e lint bench bench-setup load faults reliability install install-dev clean
+.PHONY: capacity run test test-unit test-integration test-e2e lint bench bench-setup load faults reliability install install-dev clean
 
 $(BIN)/activate:
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or make PYTHON=...)"; exit 1; }
@@ -72,10 +72,16 @@ bench: $(VENV)/.installed-dev $(PEER_VENV)/.installed
 	$(PY) -m bench
 
 # The reliability suite's load program, full size: a burst of 1,000 jobs, 1,000
-# websocket and 1,000 SSE subscribers, a 10-minute soak (bench/LOAD.md). It uses
+# websocket and 1,000 SSE subscribers, a 10-minute soak; then one API host's
+# capacity at its default settings: 10,000 websockets, 10,000 SSE streams,
+# submissions a second, 5,000 anonymous sockets (bench/LOAD.md). Both use
 # DATABASE_URL/REDIS_URL, else the SY_TEST_* test services.
 load: $(VENV)/.installed-dev
 	$(PY) -m bench.load --phase all
+	$(PY) -m bench.capacity --phase all
+
+capacity: $(VENV)/.installed-dev
+	$(PY) -m bench.capacity --phase all
 
 # Both long runs of the reliability suite (about 45 minutes on 2 cores).
 reliability: faults load
