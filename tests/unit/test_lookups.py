@@ -33,3 +33,17 @@ def test_a_lapsed_row_is_loaded_once_for_every_waiting_stream() -> None:
     # Another key is not held up by this one, and a value not kept is loaded again.
     assert rows.get("job-2", 10.0, lambda: None, keep=lambda v: v is not None) is None
     assert rows.get("job-2", 10.0, lambda: "ended", keep=lambda v: v is not None) == "ended"
+
+
+def test_a_stored_value_is_seen_while_fresh_and_forgotten_on_demand() -> None:
+    rows = RowCache()
+    assert rows.peek("waiting:m", 1.0) is None  # never stored
+    rows.put("waiting:m", 0)
+    assert rows.peek("waiting:m", 1.0) == 0  # a falsy value is still a value
+    time.sleep(0.06)
+    assert rows.peek("waiting:m", 0.05) is None  # older than the caller allows
+    assert rows.peek("waiting:m", 1.0) == 0
+    # A local write (an operator's override) drops the copy: the next get loads.
+    rows.forget("waiting:m")
+    assert rows.peek("waiting:m", 1.0) is None
+    assert rows.get("waiting:m", 1.0, lambda: 7) == 7
