@@ -308,8 +308,8 @@ def visible_job(job_id: str, principal: Principal | None, *, shared: bool = Fals
     ``shared`` (a stream opening): an unfinished job's row may come from the
     process's row cache (:func:`job_row`, dropped when a stream here sees the
     job end): its owner never changes, and the stream itself says how the job
-    goes on. Ten thousand sockets following two
-    hundred jobs then read two hundred rows, not ten thousand.
+    goes on. Ten thousand sockets following two hundred jobs then read two
+    hundred rows, not ten thousand.
     """
     job = job_row(job_id) if shared else services().jobs.get(job_id)
     if job is None:
