@@ -192,6 +192,20 @@ class Settings(BaseModel):
     torch_threads: int = Field(
         default=0, ge=0, description="Threads torch may use in a worker; 0 keeps torch's default."
     )
+    native_kernels: bool = Field(
+        default=True,
+        description=(
+            "Compile (once per machine, with the system's C compiler) and use the engine's own"
+            " CPU kernels for int4 models; off, or without a compiler, PyTorch's int4 kernel runs."
+        ),
+    )
+    native_cache: str = Field(
+        default="",
+        description=(
+            "Folder for the compiled native kernels; empty: ~/.cache/switchyard/native, else one"
+            " in the system's temporary folder."
+        ),
+    )
     default_model: str = Field(
         default="smollm2-135m", description="Model the local launcher starts a worker for."
     )

@@ -27,7 +27,16 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from models.quant import DenseLinear, Int4Linear, Int8Linear, Linear, int4_supported
+from models import native
+from models.quant import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    NativeLinear,
+    int4_supported,
+    native_library,
+)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values whose decoder layers this module reproduces."""
@@ -193,10 +202,16 @@ class LlamaRuntime:
             if not int4_supported(self.device, hidden):
                 raise ValueError(f"int4 weights are not supported on {self.device} for this shape")
 
+            lib = native_library() if self.device.type == "cpu" else None
+
             def make(w: torch.Tensor) -> Linear:
+                if lib is not None:
+                    return NativeLinear(w, NativeLinear.Q4_1, lib)
                 return Int4Linear(w)
 
             def make_head(w: torch.Tensor) -> Linear:
+                if lib is not None:
+                    return NativeLinear(w, NativeLinear.Q8_0, lib)
                 if self.device.type == "cpu":
                     return Int8Linear(w)
                 return DenseLinear(w, self.dtype)
@@ -233,6 +248,10 @@ class LlamaRuntime:
         half = self.head_dim // 2
         self.freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
         self.scale = self.head_dim**-0.5
+        # The norms, the MLP's activation and decode attention in qgemm.c, where
+        # its library loads and the residual stream is float32 on a CPU.
+        lib = native_library() if self.device.type == "cpu" else None
+        self.ops = native.Ops(lib) if lib is not None and self.residual == torch.float32 else None
 
     def new_cache(self, slots: int, max_length: int) -> SlotCache:
         """An empty KV cache of ``slots`` sequences of up to ``max_length`` positions."""
@@ -262,15 +281,16 @@ class LlamaRuntime:
             device=device,
         )
         freqs = self.freqs.index_select(0, pos)[:, None]
-        decode = _DecodeView(step.decode_slots, step.positions[:n_decode], device)
+        decode = _DecodeView(step.decode_slots, step.positions[:n_decode], device, self.ops)
         masks = [_chunk_mask(c, device) for c in step.chunks]
         h_q, h_kv, hd = self.heads, self.kv_heads, self.head_dim
         n_q, n_qk = h_q * hd, (h_q + h_kv) * hd
         x = self.embed.index_select(0, step.token_ids)
+        delta: torch.Tensor | None = None  # the last layer's MLP output, not yet added to x
         for index, layer in enumerate(self.layers):
             kv = cache.kv[index]
             keys, values = cache.keys(index), cache.values(index)
-            h = F.rms_norm(x, (self.hidden,), layer.norm1, layer.eps1)
+            h = self._add_norm(x, delta, layer.norm1, layer.eps1)
             qkv = layer.qkv(h).to(self.residual)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -279,11 +299,11 @@ class LlamaRuntime:
             # Keys and values of every token into their slots, in one write.
             kv[slots, :, pos] = qkv[:, n_q:].view(tokens, 2 * h_kv, hd)
             if not step.chunks:
-                out = decode.attend(q, keys, values, self.scale)
+                out = decode.attend(q, kv, keys, values, self.scale)
             else:
                 out = torch.empty(tokens, h_q, hd, dtype=self.residual, device=device)
                 if n_decode:
-                    out[:n_decode] = decode.attend(q[:n_decode], keys, values, self.scale)
+                    out[:n_decode] = decode.attend(q[:n_decode], kv, keys, values, self.scale)
                 at = n_decode
                 for chunk, mask in zip(step.chunks, masks, strict=True):
                     end = chunk.start + chunk.length
@@ -295,28 +315,61 @@ class LlamaRuntime:
                     )
                     out[at : at + chunk.length] = o[0].transpose(0, 1)
                     at += chunk.length
-            x = x + layer.o(out.reshape(tokens, h_q * hd))
-            h = F.rms_norm(x, (self.hidden,), layer.norm2, layer.eps2)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            attended = layer.o(out.reshape(tokens, h_q * hd))
+            h = self._add_norm(x, attended, layer.norm2, layer.eps2)
+            delta = layer.down(self._silu_mul(layer.gate_up(h)))
         rows = torch.tensor(step.logit_rows, dtype=torch.long, device=device)
+        if delta is not None:
+            x.index_add_(
+                0, rows, delta.index_select(0, rows).to(x.dtype)
+            )  # only the rows read below
         last = F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.norm_eps)
         return self.lm_head(last).float()
 
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += delta`` (the residual connection, in place), then RMSNorm of ``x``."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, delta, weight, eps)
+        if delta is not None:
+            x.add_(delta.to(x.dtype))
+        return F.rms_norm(x, (self.hidden,), weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
 
 class _DecodeView:
-    """The decoding rows' attention: one query each, over the slots they own."""
+    """The decoding rows' attention: one query each, over the slots they own.
 
-    def __init__(self, slots: Sequence[int], positions: torch.Tensor, device: torch.device) -> None:
+    With native ops (:class:`models.native.Ops`) each row attends its own slot
+    in ``qgemm.c``; otherwise one SDPA call covers the slots ``0..span-1``.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[int],
+        positions: torch.Tensor,
+        device: torch.device,
+        ops: native.Ops | None,
+    ) -> None:
         self.n = len(slots)
+        self.ops = ops
         if not self.n:
+            return
+        self.index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        if ops is not None:
+            self.lengths = positions + 1
             return
         self.width = int(positions.max()) + 1
         # Rows in slots 0..n-1 in order use the cache as it is; otherwise the
         # queries are scattered into slot order and gathered back.
         self.span = max(slots) + 1
         self.direct = list(slots) == list(range(self.n))
-        self.index = torch.tensor(list(slots), dtype=torch.long, device=device)
         lengths = torch.zeros(self.span, dtype=torch.long, device=device)
         lengths[self.index] = positions + 1
         columns = torch.arange(self.width, device=device)
@@ -325,8 +378,16 @@ class _DecodeView:
             self.mask[:, :, :, 0] = True  # idle slots attend somewhere; their output is dropped
 
     def attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
+        if self.ops is not None:
+            kv_heads = kv.shape[1] // 2
+            return self.ops.decode_attention(q, kv, kv_heads, self.index, self.lengths, scale)
         k = keys[: self.span, :, : self.width]
         v = values[: self.span, :, : self.width]
         if self.direct:

@@ -17,10 +17,13 @@ which the kernel requires.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from models import native
 
 GROUP_SIZE = 32
 """Input features sharing one scale and zero point (GGUF's Q4_0/Q4_1 block)."""
@@ -206,3 +209,105 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     codes = codes.to(torch.int32).reshape(n, k)
     zero = low + 8 * scale
     return codes, scale.t().contiguous(), zero.t().contiguous()
+
+
+class NativeLinear:
+    """A weight in GGUF's blocks of 32 (``Q4_1`` or ``Q8_0``), multiplied by ``qgemm.c``.
+
+    The activations are quantized to 8 bits per block of 32 (``Q8_1``, as
+    llama.cpp does on a CPU) and each block's product is integer arithmetic
+    (:mod:`models.native`). ``Q4_1`` holds a 4-bit weight as
+    ``w = d * q + m`` (``q`` in 0..15, ``d`` and ``m`` half-float values): a GGUF
+    ``Q4_1`` tensor is found again code for code, and unlike
+    :class:`Int4Linear` its scales keep the file's half-float precision.
+    ``Q8_0`` holds ``w = d * q`` (``q`` in -127..127). Steps of more than
+    ``max_rows`` tokens multiply with a dense copy, as :class:`Int4Linear`.
+    """
+
+    Q4_1, Q8_0 = 0, 1
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        kind: int,
+        lib: ctypes.CDLL,
+        dense: torch.dtype | None = None,
+        max_rows: int | None = None,
+    ) -> None:
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        if weight.device.type != "cpu" or self.in_features % GROUP_SIZE:
+            raise ValueError(f"native weights need a CPU and in_features divisible by {GROUP_SIZE}")
+        self.kind, self.lib = kind, lib
+        if kind == self.Q4_1:
+            self.blocks, rebuilt = pack_q4_1(weight)
+            size = lib.sy_block_q4_1_size()
+        else:
+            self.blocks, rebuilt = pack_q8_0(weight)
+            size = lib.sy_block_q8_0_size()
+        if self.blocks.shape[-1] != size:
+            raise ValueError(f"block of {self.blocks.shape[-1]} bytes, the kernel's is {size}")
+        self.dense = rebuilt.to(dense or dense_dtype())
+        self.max_rows = native_max_rows(self.dense.dtype) if max_rows is None else max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows > self.max_rows:
+            return dense_matmul(x, self.dense)
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = self.lib.sy_qgemm(
+            self.kind,
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            self.blocks.data_ptr(),
+            self.out_features,
+            out.data_ptr(),
+        )
+        if status:
+            raise MemoryError("qgemm: out of memory")
+        return out
+
+
+def native_max_rows(dense: torch.dtype) -> int:
+    """Rows up to which :class:`NativeLinear` runs its kernel; above, the dense copy does."""
+    return 8 if dense == torch.bfloat16 else 32
+
+
+def _float_bytes(values: torch.Tensor) -> torch.Tensor:
+    """``[N, B]`` floats as ``[N, B, 4]`` bytes."""
+    return values.float().contiguous().view(torch.uint8).view(*values.shape, 4)
+
+
+def pack_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as ``Q4_1`` blocks ``[N, K/32, 24]`` (bytes), and the weight they hold."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).to(torch.float16).float()
+    m = low.to(torch.float16).float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    codes = torch.round((groups - m[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    half = GROUP_SIZE // 2
+    qs = codes[..., :half] | (codes[..., half:] << 4)
+    blocks = torch.cat([_float_bytes(d), _float_bytes(m), qs], dim=-1).contiguous()
+    rebuilt = codes.float() * d[..., None] + m[..., None]
+    return blocks, rebuilt.reshape(n, k)
+
+
+def pack_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as ``Q8_0`` blocks ``[N, K/32, 36]`` (bytes), and the weight they hold."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    d = (groups.abs().amax(-1) / 127).to(torch.float16).float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    codes = torch.round(groups / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    blocks = torch.cat([_float_bytes(d), codes.view(torch.uint8)], dim=-1).contiguous()
+    rebuilt = codes.float() * d[..., None]
+    return blocks, rebuilt.reshape(n, k)
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The native kernels (:func:`models.native.library`), or ``None``."""
+    return native.library()

@@ -1,0 +1,226 @@
+"""The engine's own CPU kernels (``qgemm.c``), compiled for this machine on first use.
+
+:func:`library` compiles ``qgemm.c`` with the system's C compiler
+(``$CC``, else ``cc``/``gcc``), ``-O3 -march=native -fopenmp`` (and no fused
+multiply-add contraction, so that every row's arithmetic is the same), into a cache
+folder keyed by the source, the compiler and the CPU's flags, and loads it
+with :mod:`ctypes`. It takes about a second once per machine; later loads
+reuse the file. Where no compiler is found, or compiling fails, it returns
+``None`` once and logs why, and the engine keeps PyTorch's own int4 kernel.
+``SWITCHYARD_NATIVE_KERNELS=0`` turns the native kernels off.
+
+The cache folder is ``$SWITCHYARD_NATIVE_CACHE``, else
+``~/.cache/switchyard/native``, else one in the system's temporary folder
+(the first that can be written: a container's root file system may be
+read-only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []
+
+
+def enabled() -> bool:
+    """Whether the native kernels may be used (``SWITCHYARD_NATIVE_KERNELS``, default on)."""
+    return os.environ.get("SWITCHYARD_NATIVE_KERNELS", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or ``None`` where they cannot be built or are turned off."""
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load() if enabled() else None)
+        return _loaded[0]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("SWITCHYARD_NATIVE_CACHE"):
+        dirs.append(Path(os.environ["SWITCHYARD_NATIVE_CACHE"]))
+    dirs.append(Path.home() / ".cache" / "switchyard" / "native")
+    dirs.append(Path(tempfile.gettempdir()) / f"switchyard-native-{os.getuid()}")
+    return dirs
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, gcc or $CC): the engine uses PyTorch's int4 kernel")
+        return None
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("C compiler %s unusable (%s): the engine uses PyTorch's int4 kernel", cc, exc)
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    for folder in _cache_dirs():
+        target = folder / f"qgemm-{key}.so"
+        try:
+            if not target.exists():
+                _build(cc, folder, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("native kernels not built in %s: %s", folder, exc)
+            continue
+        _declare(lib)
+        return lib
+    log.warning("native kernels unavailable: the engine uses PyTorch's int4 kernel")
+    return None
+
+
+def _build(cc: str, folder: Path, target: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.part")
+    os.close(fd)
+    try:
+        command = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+        subprocess.run(
+            [*command, "-o", partial, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        os.replace(partial, target)  # atomic: workers starting together share one file
+    except subprocess.CalledProcessError as exc:
+        raise OSError(f"{cc} failed: {exc.stderr.strip()[-500:]}") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.sy_qgemm.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    lib.sy_qgemm.restype = ctypes.c_int
+    for name in ("sy_block_q4_1_size", "sy_block_q8_0_size", "sy_avx2"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.sy_add_rms_norm.argtypes = [p, p, i, i, p, f, p]
+    lib.sy_add_rms_norm.restype = None
+    lib.sy_silu_mul.argtypes = [p, i, i, p]
+    lib.sy_silu_mul.restype = None
+    lib.sy_decode_attention.argtypes = [p, i, i, i, i, i, p, i, p, p, f, p]
+    lib.sy_decode_attention.restype = ctypes.c_int
+
+
+class Ops:
+    """The forward pass's elementwise parts and decode attention, in ``qgemm.c``.
+
+    Every tensor is float32, on the CPU, and contiguous where the methods say so.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += delta`` in place (when given), then RMSNorm of ``x`` times ``weight``."""
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        # Held in a name: a temporary's memory would be freed before the call.
+        delta = None if delta is None else delta.to(torch.float32).contiguous()
+        self.lib.sy_add_rms_norm(
+            x.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            rows,
+            dim,
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``[rows, 2 * inter]`` (gate, then up)."""
+        rows, width = gate_up.shape
+        gate_up = gate_up.to(torch.float32).contiguous()
+        out = gate_up.new_empty(rows, width // 2)
+        self.lib.sy_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+        return out
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_heads: int,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per row (``q``: ``[rows, heads, hd]``, rows may be strided) over
+        positions ``0 .. lengths[r] - 1`` of slot ``slots[r]`` of ``kv``
+        (``[slots, 2 * kv_heads, length, hd]``, contiguous); ``slots`` and
+        ``lengths`` are int64."""
+        rows, heads, hd = q.shape
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        out = q.new_empty(rows, heads, hd)
+        status = self.lib.sy_decode_attention(
+            q.data_ptr(),
+            rows,
+            q.stride(0),
+            heads,
+            kv_heads,
+            hd,
+            kv.data_ptr(),
+            kv.shape[2],
+            slots.data_ptr(),
+            lengths.data_ptr(),
+            scale,
+            out.data_ptr(),
+        )
+        if status:
+            raise MemoryError("decode attention: out of memory")
+        return out

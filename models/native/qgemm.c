@@ -1,0 +1,294 @@
+/*
+ * Grouped 4-bit and 8-bit weight matmuls with 8-bit activations, for CPUs.
+ *
+ * y[r, j] = sum_i W[j, i] * x[r, i], with W stored in blocks of 32 inputs as
+ * GGUF stores them: Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q,
+ * q in -127..127); the scales are half floats' values, stored as floats
+ * (converting them costs more than reading the extra bytes). Each row of x is first
+ * quantized per block of 32 to 8 bits (Q8_1: a = dx * qx, qx in -127..127,
+ * with sx = dx * sum(qx) kept for Q4_1's offset term), as llama.cpp does, so
+ * a block's dot product is integer arithmetic:
+ *
+ *   Q4_1: sum(w a) = d dx sum(q qx) + m sx
+ *   Q8_0: sum(w a) = d dx sum(q qx)
+ *
+ * Every output is computed by the same instructions in the same order
+ * whatever the number of rows or threads (threads split the outputs, never
+ * the inputs), so a row's result does not depend on what it is batched with.
+ *
+ * Built at run time by models/native/__init__.py with the machine's own
+ * instruction set (-march=native) and OpenMP; the library shares PyTorch's
+ * libgomp (same soname, already loaded), so the calling thread's
+ * torch.set_num_threads applies. Without AVX2 a portable loop runs.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define SY_AVX2 1
+#else
+#define SY_AVX2 0
+#endif
+
+#define QK 32
+
+typedef struct {
+    float d; /* scale (a half float's value) */
+    float m; /* minimum (a half float's value) */
+    uint8_t qs[QK / 2]; /* element i in the low nibble of byte i, i + 16 in its high nibble */
+} block_q4_1;
+
+typedef struct {
+    float d;
+    int8_t qs[QK];
+} block_q8_0;
+
+typedef struct {
+    float d;
+    float s; /* d * sum(qs) */
+    int8_t qs[QK];
+} block_q8_1;
+
+int sy_block_q4_1_size(void) { return (int)sizeof(block_q4_1); }
+int sy_block_q8_0_size(void) { return (int)sizeof(block_q8_0); }
+int sy_avx2(void) { return SY_AVX2; }
+
+/* One row of k floats to k / 32 Q8_1 blocks (round to nearest, ties away from zero). */
+static void quantize_row_q8_1(const float *x, block_q8_1 *out, int k) {
+    for (int b = 0; b < k / QK; b++) {
+        const float *v = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            int q = (int)roundf(v[i] * id);
+            out[b].qs[i] = (int8_t)q;
+            sum += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+#if SY_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define TILE_ROWS 4
+
+/* y[r, j] for rows r0 .. r0 + nr - 1 (nr <= TILE_ROWS) of one weight row w: each
+   weight block is unpacked once for the tile. */
+static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int blocks, int nr,
+                     float *out[TILE_ROWS]) {
+#if SY_AVX2
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_ROWS];
+    float offset[TILE_ROWS];
+    for (int r = 0; r < nr; r++) {
+        acc[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    for (int b = 0; b < blocks; b++) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)w[b].qs);
+        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+        const float d = w[b].d, m = w[b].m;
+        for (int r = 0; r < nr; r++) {
+            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+            offset[r] += m * xb->s;
+        }
+    }
+    for (int r = 0; r < nr; r++) *out[r] = hsum(acc[r]) + offset[r];
+#else
+    for (int r = 0; r < nr; r++) {
+        float total = 0.0f;
+        for (int b = 0; b < blocks; b++) {
+            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            int sum = 0;
+            for (int i = 0; i < QK / 2; i++) {
+                sum += (w[b].qs[i] & 0x0f) * xb->qs[i] + (w[b].qs[i] >> 4) * xb->qs[i + QK / 2];
+            }
+            total += w[b].d * xb->d * (float)sum + w[b].m * xb->s;
+        }
+        *out[r] = total;
+    }
+#endif
+}
+
+static void dot_q8_0(const block_q8_0 *w, const block_q8_1 *x, int blocks, int nr,
+                     float *out[TILE_ROWS]) {
+#if SY_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256i magnitude = _mm256_sign_epi8(q, q);
+        const float d = w[b].d;
+        for (int r = 0; r < nr; r++) {
+            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
+            /* maddubs multiplies unsigned by signed: |q| times a with q's sign */
+            __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, q)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) *out[r] = hsum(acc[r]);
+#else
+    for (int r = 0; r < nr; r++) {
+        float total = 0.0f;
+        for (int b = 0; b < blocks; b++) {
+            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) sum += w[b].qs[i] * xb->qs[i];
+            total += w[b].d * xb->d * (float)sum;
+        }
+        *out[r] = total;
+    }
+#endif
+}
+
+/*
+ * y[rows, n] = x[rows, k] @ W[n, k]^T for W in Q4_1 (kind 0) or Q8_0 (kind 1)
+ * blocks, row-major, n rows of k / 32 blocks. Returns 0, or -1 if out of memory.
+ */
+int sy_qgemm(int kind, const float *x, int rows, int k, const void *weight, int n, float *y) {
+    const int blocks = k / QK;
+    block_q8_1 *xq = malloc(sizeof(block_q8_1) * (size_t)blocks * (size_t)rows);
+    if (!xq) return -1;
+    for (int r = 0; r < rows; r++) quantize_row_q8_1(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+    /* Outputs in tiles of 8 (each thread's weights stream once), rows in tiles of
+       TILE_ROWS (each weight block unpacked once per tile). */
+    const int tiles = (n + 7) / 8;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        int end = t * 8 + 8 < n ? t * 8 + 8 : n;
+        for (int j = t * 8; j < end; j++) {
+            for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+                int nr = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+                float *out[TILE_ROWS];
+                for (int r = 0; r < nr; r++) out[r] = y + (size_t)(r0 + r) * n + j;
+                const block_q8_1 *xr = xq + (size_t)r0 * blocks;
+                if (kind == 0)
+                    dot_q4_1((const block_q4_1 *)weight + (size_t)j * blocks, xr, blocks, nr, out);
+                else
+                    dot_q8_0((const block_q8_0 *)weight + (size_t)j * blocks, xr, blocks, nr, out);
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* -- the layer's other parts, for the same steps ----------------------------- */
+
+/*
+ * x[rows, dim] += delta (when delta is not NULL), then
+ * out = x / sqrt(mean(x^2) + eps) * weight, row by row (Llama's RMSNorm).
+ */
+void sy_add_rms_norm(float *x, const float *delta, int rows, int dim, const float *weight,
+                     float eps, float *out) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float *v = x + (size_t)r * dim;
+        float *o = out + (size_t)r * dim;
+        if (delta) {
+            const float *dv = delta + (size_t)r * dim;
+            for (int i = 0; i < dim; i++) v[i] += dv[i];
+        }
+        double sum = 0.0;
+        for (int i = 0; i < dim; i++) sum += (double)v[i] * v[i];
+        const float inv = 1.0f / sqrtf((float)(sum / dim) + eps);
+        for (int i = 0; i < dim; i++) o[i] = v[i] * inv * weight[i];
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] (gate and up side by side). */
+void sy_silu_mul(const float *gate_up, int rows, int inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
+        float *o = out + (size_t)r * inter;
+        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+static float dot_f32(const float *a, const float *b, int n) {
+#if SY_AVX2
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/*
+ * Attention of one query per row over its slot of the KV cache.
+ *
+ * q: [rows, heads, hd] with row stride q_stride (floats); kv: one layer of the
+ * cache, [slots, 2 * kv_heads, length, hd] (keys, then values); row r attends
+ * positions 0 .. lengths[r] - 1 of slot slots[r]; out: [rows, heads, hd].
+ * Each (row, head) is computed alone, in the same order whatever the batch.
+ * Returns 0, or -1 if out of memory.
+ */
+int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int kv_heads, int hd,
+                        const float *kv, int length, const int64_t *slots,
+                        const int64_t *lengths, float scale, float *out) {
+    const int group = heads / kv_heads;
+    const size_t head_size = (size_t)length * hd, slot_size = 2 * (size_t)kv_heads * head_size;
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (rows * heads > 4)
+    for (int task = 0; task < rows * heads; task++) {
+        const int r = task / heads, h = task % heads, g = h / group;
+        const int n = (int)lengths[r];
+        const float *qr = q + (size_t)r * q_stride + (size_t)h * hd;
+        const float *keys = kv + (size_t)slots[r] * slot_size + (size_t)g * head_size;
+        const float *values = keys + (size_t)kv_heads * head_size;
+        float *o = out + ((size_t)r * heads + h) * hd;
+        float local[1024];
+        float *scores = n <= 1024 ? local : malloc(sizeof(float) * (size_t)n);
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        float top = -INFINITY;
+        for (int p = 0; p < n; p++) {
+            scores[p] = dot_f32(qr, keys + (size_t)p * hd, hd) * scale;
+            top = scores[p] > top ? scores[p] : top;
+        }
+        float total = 0.0f;
+        for (int p = 0; p < n; p++) {
+            scores[p] = expf(scores[p] - top);
+            total += scores[p];
+        }
+        for (int i = 0; i < hd; i++) o[i] = 0.0f;
+        for (int p = 0; p < n; p++) {
+            const float w = scores[p] / total, *v = values + (size_t)p * hd;
+            for (int i = 0; i < hd; i++) o[i] += w * v[i];
+        }
+        if (scores != local) free(scores);
+    }
+    return failed ? -1 : 0;
+}

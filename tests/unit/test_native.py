@@ -1,0 +1,174 @@
+"""The engine's own CPU kernels (``models/native/qgemm.c``) against PyTorch.
+
+Each kernel is held to the arithmetic it promises: the grouped 4-bit and
+8-bit matmuls to a float32 matmul of the same (dequantized) weights and the
+same 8-bit-quantized activations, the norms, activation and decode attention
+to PyTorch's; and every one of them gives a row the same bits whatever it is
+batched with, which the engine's "same seed, same text, alone or batched"
+rests on. Without a C compiler the library is absent and the runtime keeps
+PyTorch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from models import native
+from models.llama import Chunk, LlamaRuntime, StepInput
+from models.quant import GROUP_SIZE, Int4Linear, NativeLinear, pack_q4_1
+from tests.unit.test_llama_runtime import _model
+
+lib = native.library()
+pytestmark = pytest.mark.skipif(
+    lib is None and shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler on this machine",
+)
+
+
+def test_the_library_builds_where_a_compiler_is() -> None:
+    assert lib is not None, "cc/gcc is installed, but qgemm.c did not build (see the log)"
+
+
+def _q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel sees it: 8 bits per block of 32, round half away from zero."""
+    blocks = x.view(x.shape[0], -1, GROUP_SIZE)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks / torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (q * d).view_as(x)
+
+
+@pytest.mark.parametrize("kind", [NativeLinear.Q4_1, NativeLinear.Q8_0])
+def test_grouped_matmuls_compute_their_weights_and_give_a_row_the_same_bits_in_any_batch(
+    kind: int,
+) -> None:
+    assert lib is not None
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(72, 6 * GROUP_SIZE, generator=gen) * 0.05
+    layer = NativeLinear(weight, kind, lib, dense=torch.float32, max_rows=40)
+    x = torch.randn(37, weight.shape[1], generator=gen)
+    got = layer(x)
+    exact = _q8_activations(x) @ layer.dense.t()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    reference = x @ weight.t()  # the original weight: 4 or 8 bits lose a little of it
+    error = float((got - reference).norm() / reference.norm())
+    assert error < (0.1 if kind == NativeLinear.Q4_1 else 0.01), error
+    for rows in (1, 2, 3, 4, 5, 8, 17):
+        for start in (0, 3):
+            assert torch.equal(layer(x[start : start + rows]), got[start : start + rows])
+    # Above max_rows the dense copy serves.
+    torch.testing.assert_close(
+        NativeLinear(weight, kind, lib, dense=torch.float32, max_rows=4)(x),
+        x @ layer.dense.t(),
+    )
+
+
+def test_q4_1_blocks_hold_a_gguf_q4_1_weight_exactly() -> None:
+    assert lib is not None
+    gen = torch.Generator().manual_seed(0)
+    n, k = 16, 4 * GROUP_SIZE
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    codes[:, ::GROUP_SIZE], codes[:, 1::GROUP_SIZE] = 0, 15
+    d = (torch.rand(n, k // GROUP_SIZE, generator=gen) / 50).half().float()
+    m = (-torch.rand(n, k // GROUP_SIZE, generator=gen) / 5).half().float()
+    weight = (codes.view(n, -1, GROUP_SIZE) * d[..., None] + m[..., None]).view(n, k)
+    blocks, rebuilt = pack_q4_1(weight)
+    assert torch.equal(rebuilt, weight)
+    assert blocks.shape == (n, k // GROUP_SIZE, lib.sy_block_q4_1_size())
+
+
+def test_norm_activation_and_decode_attention_match_pytorch() -> None:
+    assert lib is not None
+    ops = native.Ops(lib)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen)
+    delta = torch.randn(5, 64, generator=gen)
+    weight = torch.rand(64, generator=gen)
+    expected = F.rms_norm(x + delta, (64,), weight, 1e-5)
+    residual = x.clone()
+    torch.testing.assert_close(ops.add_rms_norm(residual, delta, weight, 1e-5), expected)
+    torch.testing.assert_close(residual, x + delta)
+    gate_up = torch.randn(3, 2 * 48, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+    heads, kv_heads, hd, length = 4, 2, 16, 40
+    kv = torch.randn(3, 2 * kv_heads, length, hd, generator=gen)
+    q = torch.randn(2, heads, hd, generator=gen)
+    slots = torch.tensor([2, 0])
+    lengths = torch.tensor([7, 33])
+    got = ops.decode_attention(q, kv, kv_heads, slots, lengths, hd**-0.5)
+    for row in range(2):
+        slot, n = int(slots[row]), int(lengths[row])
+        keys, values = kv[slot : slot + 1, :kv_heads, :n], kv[slot : slot + 1, kv_heads:, :n]
+        want = F.scaled_dot_product_attention(
+            q[row][None, :, None], keys, values, scale=hd**-0.5, enable_gqa=True
+        )
+        torch.testing.assert_close(got[row], want[0, :, 0], rtol=1e-5, atol=1e-5)
+        alone = ops.decode_attention(
+            q[row : row + 1], kv, kv_heads, slots[row : row + 1], lengths[row : row + 1], hd**-0.5
+        )
+        assert torch.equal(alone[0], got[row])
+
+
+def _tiny_llama() -> PreTrainedModel:
+    return _model("llama")  # the random Llama the runtime's own tests hold to transformers
+
+
+def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> None:
+    """The whole step, native kernels throughout: a sequence's logits do not depend on
+    the other sequences decoding beside it."""
+    model = _tiny_llama()
+    with torch.inference_mode():
+        runtime = LlamaRuntime(model, quantization="int4")
+        assert isinstance(runtime.layers[0].qkv, NativeLinear)
+        assert runtime.ops is not None
+        cache = runtime.new_cache(4, 64)
+        cache.ensure(32)
+        prompts = [[5, 9, 2, 77, 31], [8, 8, 1], [100, 3, 64, 2], [7]]
+        for slot, ids in enumerate(prompts):
+            runtime.forward(
+                StepInput(
+                    torch.tensor(ids), torch.arange(len(ids)), [], [Chunk(slot, 0, len(ids))], []
+                ),
+                cache,
+            )
+        lengths = [len(p) for p in prompts]
+
+        def decode(slots: list[int]) -> torch.Tensor:
+            step = StepInput(
+                torch.tensor([11 + s for s in slots]),
+                torch.tensor([lengths[s] for s in slots]),
+                slots,
+                [],
+                list(range(len(slots))),
+            )
+            return runtime.forward(step, cache)
+
+        together = decode([3, 1, 0, 2])
+        for row, slot in enumerate([3, 1, 0, 2]):
+            assert torch.equal(decode([slot])[0], together[row])
+
+
+def test_without_a_compiler_the_runtime_keeps_pytorchs_int4_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert native._load() is None
+    monkeypatch.setattr(native, "_loaded", [None])
+    with torch.inference_mode():
+        runtime = LlamaRuntime(_tiny_llama(), quantization="int4")
+    assert isinstance(runtime.layers[0].qkv, Int4Linear)
+    assert runtime.ops is None
+
+
+def test_the_setting_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in (("0", False), ("false", False), ("1", True), ("true", True)):
+        monkeypatch.setenv("SWITCHYARD_NATIVE_KERNELS", value)
+        assert native.enabled() is on
