@@ -252,6 +252,7 @@ class LlamaRuntime:
         # its library loads and the residual stream is float32 on a CPU.
         lib = native_library() if self.device.type == "cpu" else None
         self.ops = native.Ops(lib) if lib is not None and self.residual == torch.float32 else None
+        self.freqs_pairs = torch.view_as_real(self.freqs).contiguous()  # [positions, hd / 2, 2]
 
     def new_cache(self, slots: int, max_length: int) -> SlotCache:
         """An empty KV cache of ``slots`` sequences of up to ``max_length`` positions."""
@@ -280,7 +281,7 @@ class LlamaRuntime:
             dtype=torch.long,
             device=device,
         )
-        freqs = self.freqs.index_select(0, pos)[:, None]
+        freqs = self.freqs.index_select(0, pos)[:, None] if self.ops is None else self.freqs
         decode = _DecodeView(step.decode_slots, step.positions[:n_decode], device, self.ops)
         masks = [_chunk_mask(c, device) for c in step.chunks]
         h_q, h_kv, hd = self.heads, self.kv_heads, self.head_dim
@@ -294,10 +295,13 @@ class LlamaRuntime:
             qkv = layer.qkv(h).to(self.residual)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
-            _rotate(qkv[:, :n_qk].view(tokens, h_q + h_kv, hd // 2, 2), freqs)
+            if self.ops is not None:
+                self.ops.rope_store(qkv, h_q, h_kv, pos, slots, self.freqs_pairs, kv)
+            else:
+                _rotate(qkv[:, :n_qk].view(tokens, h_q + h_kv, hd // 2, 2), freqs)
+                # Keys and values of every token into their slots, in one write.
+                kv[slots, :, pos] = qkv[:, n_q:].view(tokens, 2 * h_kv, hd)
             q = qkv[:, :n_q].view(tokens, h_q, hd)
-            # Keys and values of every token into their slots, in one write.
-            kv[slots, :, pos] = qkv[:, n_q:].view(tokens, 2 * h_kv, hd)
             if not step.chunks:
                 out = decode.attend(q, kv, keys, values, self.scale)
             else:

@@ -152,6 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_silu_mul.restype = None
     lib.sy_decode_attention.argtypes = [p, i, i, i, i, i, p, i, p, p, f, p]
     lib.sy_decode_attention.restype = ctypes.c_int
+    lib.sy_rope_store.argtypes = [p, i, i, i, i, i, p, p, p, p, i]
+    lib.sy_rope_store.restype = None
 
 
 class Ops:
@@ -189,6 +191,40 @@ class Ops:
         out = gate_up.new_empty(rows, width // 2)
         self.lib.sy_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
         return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        freqs: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> None:
+        """Rotate q and k of ``qkv`` (``[rows, (heads + 2 kv_heads) * hd]``, rows
+        contiguous) in place by ``freqs`` (``[positions, hd / 2, 2]``: cos, sin) at
+        ``positions``, and write each row's keys and values into ``kv``
+        (``[slots, 2 * kv_heads, length, hd]``) at its slot and position (int64s)."""
+        rows, width = qkv.shape
+        hd = width // (heads + 2 * kv_heads)
+        if qkv.stride(1) != 1:
+            raise ValueError("qkv rows must be contiguous")
+        positions = positions.to(torch.int64).contiguous()  # held: see add_rms_norm
+        slots = slots.to(torch.int64).contiguous()
+        self.lib.sy_rope_store(
+            qkv.data_ptr(),
+            rows,
+            qkv.stride(0),
+            heads,
+            kv_heads,
+            hd,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            freqs.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[2],
+        )
 
     def decode_attention(
         self,

@@ -292,3 +292,36 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
     }
     return failed ? -1 : 0;
 }
+
+/*
+ * Rotary embedding and the cache write of one step's rows, in place.
+ *
+ * qkv: [rows, (heads + 2 * kv_heads) * hd] with row stride row_stride; the
+ * first heads + kv_heads heads (q, then k) hold each rotated pair side by
+ * side and turn by freqs[positions[r]] ([max_positions, hd / 2, 2]: cos,
+ * sin). Then the keys and values of row r go to position positions[r] of
+ * slot slots[r] of kv ([slots, 2 * kv_heads, length, hd]).
+ */
+void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads, int hd,
+                   const int64_t *positions, const int64_t *slots, const float *freqs,
+                   float *kv, int length) {
+    const int rotated = heads + kv_heads, half = hd / 2;
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float *row = qkv + (size_t)r * row_stride;
+        const float *f = freqs + (size_t)positions[r] * hd;
+        for (int h = 0; h < rotated; h++) {
+            float *x = row + (size_t)h * hd;
+            for (int i = 0; i < half; i++) {
+                const float a = x[2 * i], b = x[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+                x[2 * i] = a * c - b * s;
+                x[2 * i + 1] = a * s + b * c;
+            }
+        }
+        float *slot = kv + (size_t)slots[r] * 2 * kv_heads * length * hd;
+        for (int h = 0; h < 2 * kv_heads; h++) {
+            memcpy(slot + ((size_t)h * length + (size_t)positions[r]) * hd,
+                   row + (size_t)(heads + h) * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+}
