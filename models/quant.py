@@ -214,9 +214,9 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 class NativeLinear:
     """A weight in GGUF's blocks of 32 (``Q4_1`` or ``Q8_0``), multiplied by ``qgemm.c``.
 
-    The activations are quantized to 8 bits per block of 32 (``Q8_1``, as
-    llama.cpp does on a CPU) and each block's product is integer arithmetic
-    (:mod:`models.native`). ``Q4_1`` holds a 4-bit weight as
+    The activations are quantized to 16 bits per block of 32 and each block's
+    product is integer arithmetic (:mod:`models.native`; llama.cpp's 8-bit
+    activations changed the default model's answers). ``Q4_1`` holds a 4-bit weight as
     ``w = d * q + m`` (``q`` in 0..15, ``d`` and ``m`` half-float values): a GGUF
     ``Q4_1`` tensor is found again code for code, and unlike
     :class:`Int4Linear` its scales keep the file's half-float precision.

@@ -1,16 +1,21 @@
 /*
- * Grouped 4-bit and 8-bit weight matmuls with 8-bit activations, for CPUs.
+ * Grouped 4-bit and 8-bit weight matmuls with 16-bit activations, for CPUs.
  *
  * y[r, j] = sum_i W[j, i] * x[r, i], with W stored in blocks of 32 inputs as
  * GGUF stores them: Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q,
  * q in -127..127); the scales are half floats' values, stored as floats
- * (converting them costs more than reading the extra bytes). Each row of x is first
- * quantized per block of 32 to 8 bits (Q8_1: a = dx * qx, qx in -127..127,
- * with sx = dx * sum(qx) kept for Q4_1's offset term), as llama.cpp does, so
- * a block's dot product is integer arithmetic:
+ * (converting them costs more than reading the extra bytes). Each row of x is
+ * first quantized per block of 32 to 16 bits (a = dx * qx, qx in
+ * -32767..32767, with sx = dx * sum(qx) kept for Q4_1's offset term), so a
+ * block's dot product is integer arithmetic (vpmaddwd):
  *
  *   Q4_1: sum(w a) = d dx sum(q qx) + m sx
  *   Q8_0: sum(w a) = d dx sum(q qx)
+ *
+ * llama.cpp quantizes activations to 8 bits instead (vpmaddubsw, a little
+ * cheaper); on SmolLM2-135M that flips the output layer's choice often enough
+ * to change answers ("What is the capital of France?" no longer says Paris,
+ * in llama.cpp too), while 16 bits keep the activations closer than bfloat16.
  *
  * Every output is computed by the same instructions in the same order
  * whatever the number of rows or threads (threads split the outputs, never
@@ -50,15 +55,15 @@ typedef struct {
 typedef struct {
     float d;
     float s; /* d * sum(qs) */
-    int8_t qs[QK];
-} block_q8_1;
+    int16_t qs[QK];
+} block_q16;
 
 int sy_block_q4_1_size(void) { return (int)sizeof(block_q4_1); }
 int sy_block_q8_0_size(void) { return (int)sizeof(block_q8_0); }
 int sy_avx2(void) { return SY_AVX2; }
 
-/* One row of k floats to k / 32 Q8_1 blocks (round to nearest, ties away from zero). */
-static void quantize_row_q8_1(const float *x, block_q8_1 *out, int k) {
+/* One row of k floats to k / 32 16-bit blocks (round to nearest, ties away from zero). */
+static void quantize_row_q16(const float *x, block_q16 *out, int k) {
     for (int b = 0; b < k / QK; b++) {
         const float *v = x + b * QK;
         float amax = 0.0f;
@@ -66,11 +71,12 @@ static void quantize_row_q8_1(const float *x, block_q8_1 *out, int k) {
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             int q = (int)roundf(v[i] * id);
-            out[b].qs[i] = (int8_t)q;
+            q = q > 32767 ? 32767 : q < -32767 ? -32767 : q;
+            out[b].qs[i] = (int16_t)q;
             sum += q;
         }
         out[b].d = d;
@@ -91,11 +97,10 @@ static inline float hsum(__m256 v) {
 
 /* y[r, j] for rows r0 .. r0 + nr - 1 (nr <= TILE_ROWS) of one weight row w: each
    weight block is unpacked once for the tile. */
-static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int blocks, int nr,
+static void dot_q4_1(const block_q4_1 *w, const block_q16 *x, int blocks, int nr,
                      float *out[TILE_ROWS]) {
 #if SY_AVX2
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i low = _mm_set1_epi8(0x0f);
     __m256 acc[TILE_ROWS];
     float offset[TILE_ROWS];
     for (int r = 0; r < nr; r++) {
@@ -104,12 +109,14 @@ static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int blocks, int n
     }
     for (int b = 0; b < blocks; b++) {
         __m128i packed = _mm_loadu_si128((const __m128i *)w[b].qs);
-        __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+        __m256i first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));
+        __m256i second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low));
         const float d = w[b].d, m = w[b].m;
         for (int r = 0; r < nr; r++) {
-            const block_q8_1 *xb = x + (size_t)r * blocks + b;
-            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones);
+            const block_q16 *xb = x + (size_t)r * blocks + b;
+            __m256i a0 = _mm256_loadu_si256((const __m256i *)xb->qs);
+            __m256i a1 = _mm256_loadu_si256((const __m256i *)(xb->qs + 16));
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(first, a0), _mm256_madd_epi16(second, a1));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
             offset[r] += m * xb->s;
         }
@@ -119,7 +126,7 @@ static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int blocks, int n
     for (int r = 0; r < nr; r++) {
         float total = 0.0f;
         for (int b = 0; b < blocks; b++) {
-            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            const block_q16 *xb = x + (size_t)r * blocks + b;
             int sum = 0;
             for (int i = 0; i < QK / 2; i++) {
                 sum += (w[b].qs[i] & 0x0f) * xb->qs[i] + (w[b].qs[i] >> 4) * xb->qs[i + QK / 2];
@@ -131,22 +138,20 @@ static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int blocks, int n
 #endif
 }
 
-static void dot_q8_0(const block_q8_0 *w, const block_q8_1 *x, int blocks, int nr,
+static void dot_q8_0(const block_q8_0 *w, const block_q16 *x, int blocks, int nr,
                      float *out[TILE_ROWS]) {
 #if SY_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[TILE_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
-        __m256i magnitude = _mm256_sign_epi8(q, q);
+        __m256i first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w[b].qs));
+        __m256i second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w[b].qs + 16)));
         const float d = w[b].d;
         for (int r = 0; r < nr; r++) {
-            const block_q8_1 *xb = x + (size_t)r * blocks + b;
-            __m256i a = _mm256_loadu_si256((const __m256i *)xb->qs);
-            /* maddubs multiplies unsigned by signed: |q| times a with q's sign */
-            __m256i p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, q)), ones);
+            const block_q16 *xb = x + (size_t)r * blocks + b;
+            __m256i a0 = _mm256_loadu_si256((const __m256i *)xb->qs);
+            __m256i a1 = _mm256_loadu_si256((const __m256i *)(xb->qs + 16));
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(first, a0), _mm256_madd_epi16(second, a1));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
         }
     }
@@ -155,7 +160,7 @@ static void dot_q8_0(const block_q8_0 *w, const block_q8_1 *x, int blocks, int n
     for (int r = 0; r < nr; r++) {
         float total = 0.0f;
         for (int b = 0; b < blocks; b++) {
-            const block_q8_1 *xb = x + (size_t)r * blocks + b;
+            const block_q16 *xb = x + (size_t)r * blocks + b;
             int sum = 0;
             for (int i = 0; i < QK; i++) sum += w[b].qs[i] * xb->qs[i];
             total += w[b].d * xb->d * (float)sum;
@@ -171,9 +176,9 @@ static void dot_q8_0(const block_q8_0 *w, const block_q8_1 *x, int blocks, int n
  */
 int sy_qgemm(int kind, const float *x, int rows, int k, const void *weight, int n, float *y) {
     const int blocks = k / QK;
-    block_q8_1 *xq = malloc(sizeof(block_q8_1) * (size_t)blocks * (size_t)rows);
+    block_q16 *xq = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows);
     if (!xq) return -1;
-    for (int r = 0; r < rows; r++) quantize_row_q8_1(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+    for (int r = 0; r < rows; r++) quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
     /* Outputs in tiles of 8 (each thread's weights stream once), rows in tiles of
        TILE_ROWS (each weight block unpacked once per tile). */
     const int tiles = (n + 7) / 8;
@@ -185,7 +190,7 @@ int sy_qgemm(int kind, const float *x, int rows, int k, const void *weight, int 
                 int nr = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
                 float *out[TILE_ROWS];
                 for (int r = 0; r < nr; r++) out[r] = y + (size_t)(r0 + r) * n + j;
-                const block_q8_1 *xr = xq + (size_t)r0 * blocks;
+                const block_q16 *xr = xq + (size_t)r0 * blocks;
                 if (kind == 0)
                     dot_q4_1((const block_q4_1 *)weight + (size_t)j * blocks, xr, blocks, nr, out);
                 else

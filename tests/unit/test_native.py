@@ -34,10 +34,10 @@ def test_the_library_builds_where_a_compiler_is() -> None:
     assert lib is not None, "cc/gcc is installed, but qgemm.c did not build (see the log)"
 
 
-def _q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel sees it: 8 bits per block of 32, round half away from zero."""
+def _q16_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel sees it: 16 bits per block of 32, round half away from zero."""
     blocks = x.view(x.shape[0], -1, GROUP_SIZE)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
     scaled = blocks / torch.where(d > 0, d, torch.ones_like(d))
     q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
     return (q * d).view_as(x)
@@ -53,7 +53,7 @@ def test_grouped_matmuls_compute_their_weights_and_give_a_row_the_same_bits_in_a
     layer = NativeLinear(weight, kind, lib, dense=torch.float32, max_rows=40)
     x = torch.randn(37, weight.shape[1], generator=gen)
     got = layer(x)
-    exact = _q8_activations(x) @ layer.dense.t()
+    exact = _q16_activations(x) @ layer.dense.t()
     torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
     reference = x @ weight.t()  # the original weight: 4 or 8 bits lose a little of it
     error = float((got - reference).norm() / reference.norm())
