@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tomllib
@@ -139,8 +140,14 @@ def test_pip_install_gives_a_working_cli_and_api(tmp_path: Path) -> None:
 
     site = tmp_path / "site"
     _run([*PIP, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)])
-    # Only the installed copy is importable: no checkout on the path, run elsewhere.
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # Only the installed copy is importable: no checkout on the path, run elsewhere,
+    # with none of the farm's settings in the environment.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SWITCHYARD_") and k not in ("DATABASE_URL", "REDIS_URL")
+    }
+    env.update(PYTHONPATH=str(site), HOME=str(tmp_path / "home"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     assert "run API, Redis" in _run([str(site / "bin" / "switchyard"), "--help"], elsewhere, env)
@@ -155,5 +162,9 @@ def test_pip_install_gives_a_working_cli_and_api(tmp_path: Path) -> None:
     where, models, migrations, state_dir = found
     assert where == str(site / "api" / "__init__.py")
     assert "tiny-random" in models and migrations == "True"
-    # Its database (prompts, token hashes) is the user's, not inside the installation.
-    assert not Path(state_dir).is_relative_to(site), state_dir
+    # Its database (prompts, token hashes) is the user's, not inside the installation,
+    # and the first command to open it makes it, private.
+    assert Path(state_dir) == tmp_path / "home" / ".local" / "state" / "switchyard"
+    _run([str(site / "bin" / "switchyard"), "migrate"], elsewhere, env)
+    assert stat.S_IMODE(Path(state_dir).stat().st_mode) == 0o700
+    assert stat.S_IMODE((Path(state_dir) / "switchyard.db").stat().st_mode) == 0o600
