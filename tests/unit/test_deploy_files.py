@@ -5,6 +5,7 @@ matches the API's."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
 import stat
@@ -187,13 +188,52 @@ def test_pinned_image_rule() -> None:
     assert not _pinned("switchyard-api:latest") and not _pinned("redis") and not _pinned("x:slim")
 
 
-def test_dockerignore_keeps_local_state_out() -> None:
-    entries = {
+def _dockerignore() -> set[str]:
+    return {
         line.strip().rstrip("/")
         for line in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
-    assert {".git", ".venv", ".switchyard", ".env"} <= entries
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    assert {".git", ".venv", ".switchyard", ".env", "*.db"} <= _dockerignore()
+
+
+def _ignored(path: str, patterns: set[str]) -> bool:
+    """Whether Docker leaves ``path`` (or a folder above it) out of the build context."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(
+        fnmatch.fnmatch(prefix, pattern.removeprefix("**/"))
+        or fnmatch.fnmatch(prefix.rsplit("/", 1)[-1], pattern.removeprefix("**/"))
+        for prefix in prefixes
+        for pattern in patterns
+        if not pattern.startswith("!")
+    )
+
+
+def test_dockerignore_keeps_what_the_images_install() -> None:
+    """``pip install -e .`` in an image needs pyproject.toml, its readme and every package."""
+    patterns = _dockerignore()
+    assert _ignored(".venv/bin/python", patterns) and _ignored("a/b/__pycache__/c.pyc", patterns)
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", project["project"]["readme"], "api/gunicorn_conf.py"]
+    needed += [
+        p.removesuffix("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
+    needed += [
+        source
+        for path in _dockerfiles()
+        for line in path.read_text().splitlines()
+        if line.startswith("COPY ")
+        for source in line.split()[1:-1]
+        if source != "."
+    ]
+    needed += [
+        str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "config" / "models").iterdir()
+    ]
+    assert not [n for n in needed if _ignored(n, patterns)]
 
 
 @pytest.mark.parametrize("path", list(_dockerfiles()), ids=lambda p: p.name)
