@@ -1,11 +1,13 @@
 """Bearer-token authentication and role checks.
 
 A token comes in ``Authorization: Bearer <token>``. Browsers' websockets cannot
-set headers, and a token in a URL ends up in logs and history, so a websocket
-may instead offer it as a subprotocol: ``new WebSocket(url, ["switchyard",
-"bearer.<token>"])`` (the server answers with ``switchyard``, never echoing the
-token). The ``token`` query parameter is accepted on websockets and SSE too,
-for clients that have no other way.
+set headers, and a token in a URL ends up in proxies' logs and histories, so a
+websocket may instead offer it as a subprotocol: ``new WebSocket(url,
+["switchyard", "bearer.<token>"])`` (the server answers with ``switchyard``,
+never echoing the token). The ``token`` query parameter is accepted only where
+a browser has no other way, a job's server-sent events (``EventSource`` sends
+neither headers nor subprotocols); anywhere else it is a 401 that says where
+the token goes, rather than a request silently treated as anonymous.
 
 A bad token is always a 401, even on a public model: a client that sent a
 credential expects it to be used.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 from flask import request
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,26 +41,40 @@ def _subprotocol_token() -> str | None:
     return None
 
 
-def presented_token(*, allow_query: bool = False) -> str | None:
+# Where a token may come from besides the Authorization header.
+Door = Literal["http", "websocket", "event_stream"]
+QUERY_TOKEN_REFUSED = (
+    "an API token in the URL (?token=) is accepted on server-sent events only: "
+    "send it in the Authorization header{}"
+)
+
+
+def presented_token(*, door: Door = "http") -> str | None:
     """The token the request carries, or None; a malformed header is a 401.
 
-    ``allow_query`` (websockets, SSE) also accepts the ``bearer.<token>``
-    subprotocol and the ``token`` query parameter.
+    A ``websocket`` also accepts the ``bearer.<token>`` subprotocol, an
+    ``event_stream`` the ``token`` query parameter; a ``token`` query parameter
+    anywhere else is a 401.
     """
+    if door != "event_stream" and "token" in request.args:
+        hint = " or the websocket subprotocol 'bearer.<token>'" if door == "websocket" else ""
+        raise Unauthorized(QUERY_TOKEN_REFUSED.format(hint))
     header = request.headers.get("Authorization", "")
     if header:
         scheme, _, value = header.partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
             raise Unauthorized("the Authorization header must be 'Bearer <token>'")
         return value.strip()
-    if allow_query:
-        return _subprotocol_token() or request.args.get("token") or None
+    if door == "websocket":
+        return _subprotocol_token()
+    if door == "event_stream":
+        return request.args.get("token") or None
     return None
 
 
-def optional_principal(*, allow_query: bool = False) -> Principal | None:
+def optional_principal(*, door: Door = "http") -> Principal | None:
     """The caller, None when no token was sent; a bad token is always 401."""
-    token = presented_token(allow_query=allow_query)
+    token = presented_token(door=door)
     if token is None:
         return None
     principal = services().accounts.authenticate(token)
@@ -66,8 +83,8 @@ def optional_principal(*, allow_query: bool = False) -> Principal | None:
     return principal
 
 
-def require_principal(*, allow_query: bool = False) -> Principal:
-    principal = optional_principal(allow_query=allow_query)
+def require_principal(*, door: Door = "http") -> Principal:
+    principal = optional_principal(door=door)
     if principal is None:
         raise Unauthorized()
     return principal

@@ -679,7 +679,7 @@ def _after_param(raw: str | None) -> int:
 )
 def job_events(job_id: str) -> Response:
     """Server-sent events: ``id`` is the seq, ``event`` the type, ``data`` the JSON."""
-    principal = optional_principal(allow_query=True)
+    principal = optional_principal(door="event_stream")
     job = visible_job(job_id, principal, shared=True)
     after = _after_param(request.headers.get("Last-Event-ID") or request.args.get("after"))
     svc = services()
@@ -721,7 +721,7 @@ def job_socket(ws: Any, job_id: str) -> None:
     """
     svc = services()
     try:
-        principal = optional_principal(allow_query=True)
+        principal = optional_principal(door="websocket")
         job = visible_job(job_id, principal, shared=True)
         after = _after_param(request.args.get("after"))
         stream = svc.caps.take(principal, client_address())
@@ -760,7 +760,7 @@ def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> No
     settings = services().settings
     timeout_s = settings.ws_send_timeout_s
     watch = LagWatch()
-    recheck = TokenRecheck(presented_token(allow_query=True), settings.ws_token_check_s)
+    recheck = TokenRecheck(presented_token(door="websocket"), settings.ws_token_check_s)
     try:
         full = sees_internals(principal)
         for event in follow_job(

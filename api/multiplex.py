@@ -29,7 +29,7 @@ instead. A client that reads too slowly is closed with 4008, as on a job's socke
 
 Authentication is the connection's: the ``Authorization`` header, the
 ``bearer.<token>`` subprotocol (browsers: ``new WebSocket(url, ["switchyard",
-"bearer." + token])``) or a ``token`` query parameter. A socket without a token
+"bearer." + token])``); a ``token`` query parameter is refused (401, 1008). A socket without a token
 may only use public models, and is closed with 4408 "idle" after
 ``ws_anonymous_idle_s`` with no job running; a bad token closes the socket
 (1008), and so does a token revoked or expired while the socket is open
@@ -375,7 +375,7 @@ def _parse(schema: type[GenerateFrame] | type[CancelFrame], data: dict[str, Any]
 def multiplex(ws: Any) -> None:
     svc = services()
     try:
-        principal = optional_principal(allow_query=True)
+        principal = optional_principal(door="websocket")
         stream = svc.caps.take(principal, client_address())
     except ApiError as exc:
         refuse_socket(ws, exc)
@@ -390,7 +390,7 @@ def _serve(ws: Any, principal: Principal | None) -> None:
     settings = services().settings
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     session = Session(ws, app, principal)
-    recheck = TokenRecheck(presented_token(allow_query=True), settings.ws_token_check_s)
+    recheck = TokenRecheck(presented_token(door="websocket"), settings.ws_token_check_s)
     idle_since = time.monotonic()
     try:
         while not session.closed.is_set():

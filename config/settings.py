@@ -19,6 +19,23 @@ PREFIX = "SWITCHYARD_"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def default_state_dir(root: Path = PROJECT_ROOT, home: Path | None = None) -> Path:
+    """Where the farm keeps its state when ``SWITCHYARD_STATE_DIR`` is unset.
+
+    In a checkout (``root`` holds ``pyproject.toml``: ``make run``, the images'
+    ``pip install -e .``) the folder ``.switchyard`` beside the code. In an
+    installed copy (``pip install .``: ``root`` is site-packages) the user's
+    ``~/.local/state/switchyard``: the database, with every prompt and token
+    hash, never lies inside the Python installation.
+    """
+    if (root / "pyproject.toml").is_file():
+        return root / ".switchyard"
+    return (home or Path.home()) / ".local" / "state" / "switchyard"
+
+
+DEFAULT_STATE_DIR = default_state_dir()
+
+
 class SettingsError(ValueError):
     """A variable of the environment has a value Switchyard cannot use."""
 
@@ -33,7 +50,7 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     database_url: str = Field(
-        default=f"sqlite:///{PROJECT_ROOT / '.switchyard' / 'switchyard.db'}",
+        default=f"sqlite:///{DEFAULT_STATE_DIR / 'switchyard.db'}",
         description=(
             "SQLAlchemy URL of the job database (Postgres in production); unset, the "
             "SQLite file switchyard.db in the state folder. postgres:// and postgresql:// "
@@ -45,8 +62,11 @@ class Settings(BaseModel):
         description="Redis URL: Celery broker, event streams, heartbeats.",
     )
     state_dir: Path = Field(
-        default=PROJECT_ROOT / ".switchyard",
-        description="Folder for the SQLite file, embedded Redis and converted model caches.",
+        default=DEFAULT_STATE_DIR,
+        description=(
+            "Folder for the SQLite file, embedded Redis and converted model caches; unset, "
+            "<project>/.switchyard in a checkout, ~/.local/state/switchyard in an installed copy."
+        ),
     )
     models_dir: Path = Field(
         default=PROJECT_ROOT / "config" / "models",

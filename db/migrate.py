@@ -7,6 +7,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from db.session import prepare_sqlite_file
+
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
@@ -19,5 +21,6 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "heads") -> None:
-    """Bring the database at ``url`` to ``revision``."""
+    """Bring the database at ``url`` to ``revision`` (a new SQLite file is made private)."""
+    prepare_sqlite_file(url)
     command.upgrade(alembic_config(url), revision)

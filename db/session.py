@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -21,6 +24,30 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def prepare_sqlite_file(url: str) -> None:
+    """Create the SQLite file of ``url`` private before SQLite opens it.
+
+    The file holds every prompt, output and token hash: a new one is 0600 in a
+    new folder made 0700 (SQLite gives its WAL and shared-memory files the
+    database file's mode), whatever the umask, so ``switchyard migrate`` or
+    the API can be the first to open it. Files and folders that exist are left
+    as they are (``switchyard run`` makes its state folder private itself).
+    Other databases, and in-memory SQLite, are left alone.
+    """
+    parsed = make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+        return
+    if path.startswith("file:"):
+        return  # a URI filename: SQLite's own options decide
+    file = Path(path)
+    if file.exists():
+        return
+    file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # another process created it first
+        os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 class Database:
     """A SQLAlchemy engine plus a session factory; one per process."""
 
@@ -28,6 +55,7 @@ class Database:
         self.url = url
         kwargs: dict[str, Any] = {"pool_pre_ping": True, "future": True}
         if url.startswith("sqlite"):
+            prepare_sqlite_file(url)
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
         else:
             kwargs.update(

@@ -13,13 +13,16 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import redis
 import requests
+import yaml
 
 from config.settings import PROJECT_ROOT
 from tests import farm
@@ -35,8 +38,7 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-@pytest.fixture
-def launcher(tmp_path: Path) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
     env = {k: v for k, v in env.items() if not k.startswith("SWITCHYARD_")}
     env.update(
@@ -44,19 +46,33 @@ def launcher(tmp_path: Path) -> subprocess.Popen[str]:
         SWITCHYARD_API_PORT=str(farm.free_port()),
         SWITCHYARD_API_WORKERS="1",
         HF_HUB_OFFLINE="1",
+        **env_extra,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers", "run", "--model", "tiny-random"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers", "run", *args],
         env=env,
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+
+
+@pytest.fixture
+def launched() -> Iterator[list[subprocess.Popen[str]]]:
+    """The launchers a test starts, killed at its end whatever happened."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def launcher(tmp_path: Path, launched: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    launched.append(_start(tmp_path, "--model", "tiny-random"))
+    return launched[0]
 
 
 def _read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 180) -> str:
@@ -99,15 +115,81 @@ def test_kill_9_of_the_launcher_leaves_no_process_and_state_is_private(
     for p in farm_procs:
         assert password not in " ".join(p.cmdline())
 
-    # Wait for the worker to be up so every kind of child is there to be orphaned.
-    names = {" ".join(p.cmdline()) for p in farm_procs}
-    assert any("gunicorn" in n for n in names) and any("worker" in n for n in names)
+    _kill_and_check(launcher, base, term_first_s=None)
+
+
+def _farm(launcher: subprocess.Popen[str]) -> list[psutil.Process]:
+    """The launcher's processes once the API (gunicorn) and a model worker are among them."""
+    farm_procs: list[psutil.Process] = []
+
+    def complete() -> bool:
+        farm_procs[:] = psutil.Process(launcher.pid).children(recursive=True)
+        names = [" ".join(p.cmdline()) for p in farm_procs if not _gone(p)]
+        return any("gunicorn" in n for n in names) and any(" worker " in n for n in names)
+
+    farm.wait_for("the API and a worker", complete, timeout=120, every=0.5)
+    return farm_procs
+
+
+def _kill_and_check(
+    launcher: subprocess.Popen[str], base: str, *, term_first_s: float | None
+) -> None:
+    """Kill the launcher (after a SIGTERM ``term_first_s`` earlier, as process managers
+    do) and check that every process of its farm is gone within :data:`DIE_WITHIN_S`."""
+    # The farm writes to the launcher's pipe: keep reading it, or a full pipe
+    # would block a child's write and keep it alive through its signal.
+    later: list[str] = []
+    assert launcher.stdout is not None
+    threading.Thread(target=later.extend, args=(launcher.stdout,), daemon=True).start()
+    farm_procs = _farm(launcher)
+    how = "kill -9"
+    if term_first_s is not None:
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(term_first_s)
+        how = f"SIGTERM, then {term_first_s:g} s later kill -9,"
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     deadline = time.monotonic() + DIE_WITHIN_S
     while time.monotonic() < deadline and not all(_gone(p) for p in farm_procs):
         time.sleep(0.2)
     left = [(p.pid, " ".join(p.cmdline())) for p in farm_procs if not _gone(p)]
-    assert not left, f"still running {DIE_WITHIN_S} s after kill -9 of the launcher: {left}"
+    assert not left, (
+        f"still running {DIE_WITHIN_S} s after {how} of the launcher: {left}\n"
+        + "".join(later[-40:])
+    )
     with pytest.raises(requests.ConnectionError):
         requests.get(base + "/readyz", timeout=5)
+
+
+def _models_dir(tmp_path: Path) -> Path:
+    """The shipped catalog with tiny-random kept at one replica and smollm2-135m at none."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for path in (PROJECT_ROOT / "config" / "models").glob("*.yaml"):
+        definition = yaml.safe_load(path.read_text())
+        replicas = 1 if definition["name"] == "tiny-random" else 0
+        definition["scaling"] = {"min_replicas": replicas, "max_replicas": replicas}
+        (folder / path.name).write_text(yaml.safe_dump(definition))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "term_first_s"),
+    [
+        (("--model", "tiny-random"), 2.0),  # fixed workers, started by the launcher's thread
+        ((), None),  # make run's default: the scaler's thread starts the workers
+        ((), 2.0),
+    ],
+    ids=["model-term-then-kill", "scaler-kill", "scaler-term-then-kill"],
+)
+def test_no_process_outlives_the_launcher(
+    tmp_path: Path,
+    launched: list[subprocess.Popen[str]],
+    args: tuple[str, ...],
+    term_first_s: float | None,
+) -> None:
+    env = {} if args else {"SWITCHYARD_MODELS_DIR": str(_models_dir(tmp_path))}
+    launched.append(_start(tmp_path, *args, **env))
+    out = _read_until(launched[0], r"Ctrl-C stops everything")
+    base = re.search(r"API at (http://\S+)", out).group(1)  # type: ignore[union-attr]
+    _kill_and_check(launched[0], base, term_first_s=term_first_s)

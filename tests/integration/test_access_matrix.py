@@ -391,3 +391,46 @@ def test_another_users_job_is_hidden_as_not_found(farm_: Farm) -> None:
     assert farm_.job_id not in json.dumps(listed)
     assert farm_.call("GET", "/v1/jobs?all=true", "other").status_code == 403
     assert farm_.call("GET", "/v1/jobs?all=true", "operator").status_code == 200
+
+
+def _serves(expected: int | set[int]) -> bool:
+    """Whether a caller who gets ``expected`` passed authentication and authorization."""
+    return not ({expected} if isinstance(expected, int) else expected) & {401, 403, 404}
+
+
+STATE_CHANGING = [
+    pytest.param(method, rule, id=f"{method} {rule}")
+    for (method, rule) in ROUTES
+    if method in ("POST", "PUT", "PATCH", "DELETE")
+]
+
+
+@pytest.mark.parametrize(("method", "rule"), STATE_CHANGING)
+def test_no_state_changing_route_serves_another_site(farm_: Farm, method: str, rule: str) -> None:
+    """Every route that changes state, called by someone it serves: from a page of another
+    origin it is a 403; with a body not sent as JSON (a form or ``text/plain``, which any
+    page can make a browser send without asking) a 415."""
+    case = ROUTES[(method, rule)]
+    principal = next(p for p in ("user", "operator", "admin") if _serves(case.expect[p]))
+    headers = farm_.headers(principal)
+    body = case.body(farm_) if callable(case.body) else case.body
+    path = case.path(farm_) if callable(case.path) else case.path
+    r = requests.request(
+        method,
+        farm_.url + path,
+        json=body,
+        headers={**headers, "Origin": "https://evil.example"},
+        timeout=30,
+    )
+    assert r.status_code == 403 and "web origin" in r.text, r.text  # each door's envelope
+    if body is None:
+        return
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = requests.request(
+            method,
+            farm_.url + path,
+            data=json.dumps(body),
+            headers={**headers, "Content-Type": content_type},
+            timeout=30,
+        )
+        assert r.status_code == 415, f"{method} {rule} as {principal} ({content_type}): {r.text}"

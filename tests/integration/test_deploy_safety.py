@@ -21,7 +21,7 @@ import redis
 import requests
 import websocket
 
-from config import Settings
+from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
@@ -29,7 +29,9 @@ from tasks.events import EventLog, JobEvent
 from tests import farm
 from tests.integration.test_executor_local import python
 from tests.integration.test_scaling import make_models, settings_for, unique
+from workers.executors import RecordOnlyExecutor
 from workers.executors.local import LocalExecutor
+from workers.scaler import Scaler
 
 JOB = {"model": "tiny-random", "prompt": "Hello", "params": {"max_new_tokens": 2}}
 
@@ -224,6 +226,37 @@ def test_replicas_above_the_farm_ceiling_are_refused(
         assert r.status_code == 422 and r.json()["field"] == "max_replicas"
         r = requests.put(url + scaling, json={"replicas": 3}, headers=auth(admin_token), timeout=30)
         assert r.status_code == 200, r.text
+
+
+class _RecordingExecutor(RecordOnlyExecutor):
+    """Records the counts the scaler applies, starts nothing."""
+
+    def __init__(self) -> None:
+        self.applied: dict[str, int] = {}
+
+    def apply(self, model: str, replicas: int) -> None:
+        self.applied[model] = replicas
+
+
+def test_the_scaler_never_asks_more_than_the_farm_ceiling(
+    migrated: Settings, tmp_path: Path
+) -> None:
+    """A model definition may say 10,000 replicas; the scaler asks its executor for the
+    farm's ceiling at most."""
+    model = unique("ceiling")
+    policy = {"min_replicas": 10_000, "max_replicas": 10_000}
+    models = make_models(tmp_path / "models", {model: {"scaling": policy}})
+    settings = settings_for(migrated, models, max_replicas_per_model=3)
+    executor = _RecordingExecutor()
+    db = Database(settings.database_url)
+    try:
+        scaler = Scaler(
+            settings, load_catalog(models), db, redis.Redis.from_url(settings.redis_url), executor
+        )
+        scaler.tick()
+    finally:
+        db.dispose()
+    assert executor.applied[model] == 3
 
 
 def test_the_local_executor_runs_at_most_its_host_limit() -> None:

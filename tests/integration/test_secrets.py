@@ -122,8 +122,10 @@ def gunicorn(
         proc.stop()
 
 
-def _ws_first_frame(url: str) -> dict[str, object]:
-    ws = websocket.create_connection(url, timeout=30)
+def _ws_first_frame(url: str, token: str | None = None) -> dict[str, object]:
+    """The answer to a ping on a websocket, the token (if any) in its subprotocol."""
+    protocols = None if token is None else ["switchyard", f"bearer.{token}"]
+    ws = websocket.create_connection(url, timeout=30, subprotocols=protocols)
     try:
         ws.send(json.dumps({"type": "ping", "id": "p"}))
         return dict(json.loads(ws.recv()))
@@ -146,18 +148,26 @@ def test_tokens_never_reach_the_api_log(
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
     assert requests.get(f"{url}/v1/jobs/{job_id}", headers=_bearer(good)).status_code == 200
-    # In the query string, on a websocket and on SSE.
-    assert _ws_first_frame(f"{ws_url}/v1/jobs/{job_id}/ws?token={good}")["type"] == "queued"
-    assert _ws_first_frame(f"{ws_url}/v1/ws?token={good}")["type"] == "pong"
+    # In a websocket's subprotocol.
+    assert _ws_first_frame(f"{ws_url}/v1/jobs/{job_id}/ws", good)["type"] == "queued"
+    assert _ws_first_frame(f"{ws_url}/v1/ws", good)["type"] == "pong"
+    # In the query string on SSE, where a browser (EventSource) has no other way ...
     with requests.get(f"{url}/v1/jobs/{job_id}/events?token={good}", stream=True) as r:
         assert r.status_code == 200
+    # ... and nowhere else, a good token neither: 401 saying where it goes.
+    for path in (f"/v1/jobs/{job_id}/ws", "/v1/ws"):
+        refused = _ws_first_frame(f"{ws_url}{path}?token={good}")
+        assert refused["type"] == "error" and refused["status"] == 401
+        assert "subprotocol 'bearer.<token>'" in str(refused["error"])
+    r = requests.get(f"{url}/v1/jobs/{job_id}?token={good}", timeout=30)
+    assert r.status_code == 401 and "Authorization header" in r.json()["error"]
     # Refused tokens: bad, revoked, malformed header, and bad in a query.
     for token in (bad, revoked.secret):
         assert requests.get(f"{url}/v1/jobs", headers=_bearer(token)).status_code == 401
         assert requests.post(f"{url}/v1/jobs", json=JOB, headers=_bearer(token)).status_code == 401
-        refused = _ws_first_frame(f"{ws_url}/v1/ws?token={token}")
+        refused = _ws_first_frame(f"{ws_url}/v1/ws", token)
         assert refused["type"] == "error" and refused["status"] == 401
-        refused = _ws_first_frame(f"{ws_url}/v1/jobs/{job_id}/ws?token={token}")
+        refused = _ws_first_frame(f"{ws_url}/v1/jobs/{job_id}/ws", token)
         assert refused["type"] == "error" and refused["status"] == 401
         assert requests.get(f"{url}/v1/jobs/{job_id}/events?token={token}").status_code == 401
     malformed = {"Authorization": f"Token {bad}"}

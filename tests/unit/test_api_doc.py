@@ -107,3 +107,24 @@ def test_operations_doc_names_every_setting() -> None:
         if f"`{variable_name(name)}`" not in text
     ]
     assert not missing, f"settings missing from docs/operations.md: {missing}"
+
+
+def _curl_commands(text: str) -> list[str]:
+    """Every ``curl`` command of ``text``'s shell examples, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines() if line.strip().startswith("curl ")]
+
+
+def test_documented_curl_bodies_say_they_are_json() -> None:
+    """The API refuses a body without ``Content-Type: application/json`` (415), and
+    ``curl -d`` sends ``application/x-www-form-urlencoded``: an example must name the type."""
+    checked = 0
+    for path in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]:
+        for command in _curl_commands(path.read_text()):
+            if not re.search(r"\s(-d|--data\S*)\s", command):
+                continue
+            checked += 1
+            assert "--json " in command or re.search(
+                r"-H ['\"]Content-Type: application/json['\"]", command
+            ), f"{path.name}: {command[:120]}"
+    assert checked >= 10  # the examples are still there to be checked

@@ -7,13 +7,24 @@ from pathlib import Path
 import pytest
 
 from config import CatalogError, SettingsError, load_catalog, load_settings
-from config.settings import PROJECT_ROOT
+from config.settings import PROJECT_ROOT, default_state_dir
 
 
 def test_defaults_need_no_environment() -> None:
     s = load_settings({})
     assert s.database_url.startswith("sqlite:///")
     assert s.key("job", "abc") == "sy:job:abc"
+
+
+def test_state_lives_in_the_checkout_or_the_users_home(tmp_path: Path) -> None:
+    assert load_settings({}).state_dir == PROJECT_ROOT / ".switchyard"  # a checkout
+    assert load_settings({}).database_url == f"sqlite:///{PROJECT_ROOT}/.switchyard/switchyard.db"
+    site = tmp_path / "site-packages"  # an installed copy: no pyproject.toml beside it
+    site.mkdir()
+    home = tmp_path / "home"
+    assert default_state_dir(site, home) == home / ".local" / "state" / "switchyard"
+    (site / "pyproject.toml").touch()
+    assert default_state_dir(site, home) == site / ".switchyard"
 
 
 def test_environment_is_read_with_conventional_and_prefixed_names() -> None:

@@ -5,14 +5,20 @@ matches the API's."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
+import stat
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from config.settings import PROJECT_ROOT, Settings, variable_name
 from workers.cli import build_parser
@@ -182,13 +188,52 @@ def test_pinned_image_rule() -> None:
     assert not _pinned("switchyard-api:latest") and not _pinned("redis") and not _pinned("x:slim")
 
 
-def test_dockerignore_keeps_local_state_out() -> None:
-    entries = {
+def _dockerignore() -> set[str]:
+    return {
         line.strip().rstrip("/")
         for line in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
-    assert {".git", ".venv", ".switchyard", ".env"} <= entries
+
+
+def test_dockerignore_keeps_local_state_out() -> None:
+    assert {".git", ".venv", ".switchyard", ".env", "*.db"} <= _dockerignore()
+
+
+def _ignored(path: str, patterns: set[str]) -> bool:
+    """Whether Docker leaves ``path`` (or a folder above it) out of the build context."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(
+        fnmatch.fnmatch(prefix, pattern.removeprefix("**/"))
+        or fnmatch.fnmatch(prefix.rsplit("/", 1)[-1], pattern.removeprefix("**/"))
+        for prefix in prefixes
+        for pattern in patterns
+        if not pattern.startswith("!")
+    )
+
+
+def test_dockerignore_keeps_what_the_images_install() -> None:
+    """``pip install -e .`` in an image needs pyproject.toml, its readme and every package."""
+    patterns = _dockerignore()
+    assert _ignored(".venv/bin/python", patterns) and _ignored("a/b/__pycache__/c.pyc", patterns)
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", project["project"]["readme"], "api/gunicorn_conf.py"]
+    needed += [
+        p.removesuffix("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
+    needed += [
+        source
+        for path in _dockerfiles()
+        for line in path.read_text().splitlines()
+        if line.startswith("COPY ")
+        for source in line.split()[1:-1]
+        if source != "."
+    ]
+    needed += [
+        str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "config" / "models").iterdir()
+    ]
+    assert not [n for n in needed if _ignored(n, patterns)]
 
 
 @pytest.mark.parametrize("path", list(_dockerfiles()), ids=lambda p: p.name)
@@ -205,6 +250,55 @@ def test_dockerfile_rules(path: Path) -> None:
     order = [word for word, _, _ in words]
     assert order.index("USER") > max(i for i, w in enumerate(order) if w in ("RUN", "COPY"))
     assert "HEALTHCHECK" in order, f"{path.name}: no HEALTHCHECK"
+
+
+def test_images_have_the_projects_python() -> None:
+    """Each image's base ships a Python that ``requires-python`` accepts; none adds another.
+
+    (An earlier worker image installed python3.11 with apt on an Ubuntu that has no such
+    package: it could never have been built.)
+    """
+    requires = SpecifierSet(
+        tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    )
+    for path in _dockerfiles():
+        text = path.read_text()
+        bases = re.findall(r"^FROM\s+(\S+)", text, re.M)
+        for base in bases:
+            found = re.match(r"python:(\d+\.\d+(?:\.\d+)?)-", base)
+            assert found, f"{path.name}: base {base} is not an official Python image"
+            assert requires.contains(found.group(1)), f"{path.name}: {base} vs {requires}"
+        assert not re.search(r"apt(-get)? install[^\n]*python3", text), path.name
+
+
+def test_make_generates_private_compose_secrets(tmp_path: Path) -> None:
+    """``make docker/.env`` writes every variable compose requires, random, mode 0600, once."""
+    (tmp_path / "docker").mkdir()
+    make = ["make", "-s", "-f", str(PROJECT_ROOT / "Makefile"), f"PYTHON={sys.executable}"]
+    done = subprocess.run(
+        [*make, "docker/.env"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    env_file = tmp_path / "docker" / ".env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    values = dict(
+        line.split("=", 1)
+        for line in env_file.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    required = set(re.findall(r"\$\{(\w+):\?", (DOCKER / "compose.yml").read_text()))
+    assert required == set(values), (required, set(values))
+    assert all(len(v) >= 32 and re.fullmatch(r"[0-9a-f]+", v) for v in values.values())
+    first = env_file.read_text()
+    again = subprocess.run(
+        [*make, "docker/.env"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 0 and env_file.read_text() == first  # never overwritten
+    # A second generation gives other passwords: they are random, not a default.
+    other = tmp_path / "other"
+    (other / "docker").mkdir(parents=True)
+    subprocess.run([*make, "docker/.env"], cwd=other, check=True, timeout=60)
+    assert (other / "docker" / ".env").read_text() != first
 
 
 def test_compose_hardening() -> None:
