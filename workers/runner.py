@@ -68,7 +68,7 @@ from models.engine import (
     TokenEvent,
 )
 from tasks import metrics as m
-from tasks.events import EventLog, JobEvent, StreamedOutput, StreamTaken
+from tasks.events import EventLog, JobEvent, StreamedOutput, StreamTaken, usage
 from tasks.metrics import MetricsBatch, MetricsStore
 
 log = logging.getLogger(__name__)
@@ -493,11 +493,7 @@ class JobRunner:
             "done",
             finish_reason=event.finish_reason,
             text=event.text,
-            usage={
-                "prompt_tokens": event.prompt_tokens,
-                "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens,
-            },
+            usage=usage(event.prompt_tokens, event.completion_tokens),
             timings={
                 "queue_s": round((started - job.created_at).total_seconds(), 4),
                 "first_token_s": round((first_token_at - started).total_seconds(), 4)

@@ -41,6 +41,7 @@ from typing import Any
 import redis
 
 from config import Catalog, Settings
+from config.catalog import SCALING_TUNABLES
 from db.jobs import JobStore
 from db.overrides import ModelOverrides
 from db.overrides import apply as apply_override
@@ -190,12 +191,7 @@ def policy_for(
     overrides = None
     if override is not None:
         overrides = Overrides(
-            min_replicas=override.min_replicas,
-            max_replicas=override.max_replicas,
-            target_jobs_per_replica=override.target_jobs_per_replica,
-            upscale_delay_s=override.upscale_delay_s,
-            downscale_delay_s=override.downscale_delay_s,
-            scale_to_zero_delay_s=override.scale_to_zero_delay_s,
+            **{name: getattr(override, name) for name in SCALING_TUNABLES},
             manual_replicas=override.manual_replicas,
             manual_until=override.manual_until,
         )

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from config import Settings, SettingsError, load_catalog, load_settings
+from config.catalog import SCALING_TUNABLES
 
 
 def _settings() -> Settings:
@@ -261,14 +262,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--reset",
         action="append",
-        choices=[
-            "min_replicas",
-            "max_replicas",
-            "target_jobs_per_replica",
-            "upscale_delay_s",
-            "downscale_delay_s",
-            "scale_to_zero_delay_s",
-        ],
+        choices=SCALING_TUNABLES,
         help="restore a tunable to the model definition's value (repeatable)",
     )
     p.add_argument("--as", dest="actor", help="name recorded in the audit (default: your user)")
