@@ -48,7 +48,7 @@ from db.overrides import apply as apply_override
 from db.scaling import DecisionRecord, ScalingStore
 from db.schema import ScalingOverride, ScalingWindow, utcnow
 from db.session import Database
-from workers.executors import Executor, ExecutorError
+from workers.executors.base import Executor, ExecutorError
 from workers.heartbeat import list_workers
 from workers.policy import (
     Decision,

@@ -80,7 +80,8 @@ def _cmd_scaler(args: argparse.Namespace) -> int:
     import redis
 
     from db.session import Database
-    from workers.executors import ExecutorError, build_executor
+    from workers.executors import build_executor
+    from workers.executors.base import ExecutorError
     from workers.scaler import Scaler
 
     settings = _settings()

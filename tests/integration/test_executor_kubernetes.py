@@ -26,7 +26,7 @@ from config.settings import PROJECT_ROOT
 from db.overrides import ModelOverrides
 from db.session import Database
 from workers.controls import ScalingControls
-from workers.executors import ExecutorError
+from workers.executors.base import ExecutorError
 from workers.executors.kubernetes import KubernetesExecutor, deployment_name
 from workers.scaler import Scaler, ScalerState
 
