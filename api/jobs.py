@@ -63,10 +63,10 @@ from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
+from fleet.scaler_state import wake_if_idle
 from tasks.celery import GENERATE_TASK
 from tasks.events import JobEvent, usage
 from tasks.queues import queue_name
-from workers.scaler import wake_if_idle
 
 log = logging.getLogger(__name__)
 

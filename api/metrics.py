@@ -35,11 +35,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from api.auth import OPERATORS, require_role
 from api.services import Services, services
+from fleet.capacity import fleet, worker_status
+from fleet.registry import list_workers
 from tasks import metrics as m
 from tasks.messages import BrokerView
 from tasks.metrics import MetricsStore
-from workers.fleet import fleet, worker_status
-from workers.heartbeat import list_workers
 
 bp = Blueprint("metrics", __name__)
 

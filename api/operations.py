@@ -14,9 +14,9 @@ from flask import Blueprint, Flask, Response, jsonify
 
 from api.auth import OPERATORS, role_required
 from api.services import Services, services
-from workers.fleet import fleet, worker_status
-from workers.heartbeat import list_workers
-from workers.reaper import Reaper, ReaperLoop
+from fleet.capacity import fleet, worker_status
+from fleet.reaper import Reaper, ReaperLoop
+from fleet.registry import list_workers
 
 bp = Blueprint("operations", __name__)
 

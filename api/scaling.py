@@ -27,9 +27,9 @@ from api.openapi import spec
 from api.schemas import json_body, parse
 from api.services import services
 from config.catalog import SCALING_TUNABLES
-from workers.controls import ScalingControls, UnknownModel
-from workers.policy import PolicyError
-from workers.schedule import ScheduleError
+from fleet.controls import ScalingControls, UnknownModel
+from fleet.policy import PolicyError
+from fleet.schedule import ScheduleError
 
 bp = Blueprint("scaling", __name__)
 

@@ -3,7 +3,7 @@
 Every change an operator makes goes through :class:`ScalingStore` together
 with an audit row naming who made it, in the same transaction, so the two
 can never disagree. The rows are plain data; merging them with a model's
-definition is ``workers.policy``'s job.
+definition is ``fleet.policy``'s job.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The import rules of the layout (docs/architecture.md), checked from the source.
 
-- ``api/`` never imports ``workers/``: what both sides need lives in a package
-  both may import.
+- ``api/`` never imports ``workers/``, and ``fleet/`` imports neither: what
+  both sides need about the fleet lives in ``fleet/``.
 - No import cycle among the project's modules, counting imports inside
   functions too (they run, only later) but not those under
   ``if TYPE_CHECKING:``. An import of ``a.b.c`` counts as one of that module
@@ -19,27 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("api", "tasks", "workers", "models", "db", "config", "client")
-FORBIDDEN = (("api", "workers"),)
+PACKAGES = ("api", "tasks", "workers", "fleet", "models", "db", "config", "client")
+FORBIDDEN = (("api", "workers"), ("fleet", "workers"), ("fleet", "api"))
 """(importer, imported) package pairs that must not meet."""
-KNOWN: frozenset[str] = frozenset(
-    {
-        "api.catalog imports workers.heartbeat",
-        "api.catalog imports workers.scaler",
-        "api.jobs imports workers.scaler",
-        "api.limits imports workers.heartbeat",
-        "api.metrics imports workers.fleet",
-        "api.metrics imports workers.heartbeat",
-        "api.operations imports workers.fleet",
-        "api.operations imports workers.heartbeat",
-        "api.operations imports workers.reaper",
-        "api.scaling imports workers.controls",
-        "api.scaling imports workers.policy",
-        "api.scaling imports workers.schedule",
-    }
-)
-"""Breaches older than this check, each to move out (issue 15); the list only shrinks:
-a new breach fails, and so does an entry that no longer happens."""
 
 
 def module_name(path: Path) -> str:
@@ -158,12 +140,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def breaches() -> list[str]:
     graph = import_graph()
-    forbidden = forbidden_imports(graph)
-    found = [line for line in forbidden if line not in KNOWN]
-    found += [
-        f"no longer happens, remove it from KNOWN: {line}"
-        for line in sorted(KNOWN - set(forbidden))
-    ]
+    found = forbidden_imports(graph)
     found += ["import cycle: " + " <-> ".join(group) for group in cycles(graph)]
     return found
 
@@ -175,7 +152,7 @@ def main() -> int:
     if found:
         print(f"{len(found)} breach(es) of the import rules (tests/import_rules.py)")
         return 1
-    print(f"import rules hold (no cycle; {len(KNOWN)} older api -> workers imports to move)")
+    print("import rules hold: no api -> workers or fleet -> api/workers import, no cycle")
     return 0
 
 

@@ -42,7 +42,7 @@ def _controls(settings: Settings) -> Any:
     import redis
 
     from db.session import Database
-    from workers.controls import ScalingControls
+    from fleet.controls import ScalingControls
 
     return ScalingControls(
         settings,
@@ -62,15 +62,15 @@ def _fail(exc: Exception) -> int:
 
 
 def reaper_hook(settings: Settings, db: Any, client: Any) -> Callable[[], Any]:
-    """The reaper's sweep (``workers/reaper.py``), which the scaler leader runs each tick.
+    """The reaper's sweep (``fleet/reaper.py``), which the scaler leader runs each tick.
 
     Sweeps are safe from several processes at once, so this adds to the API's
     own reaper thread rather than replacing it.
     """
     from db.jobs import JobStore
+    from fleet.reaper import Reaper
     from tasks import configure
     from tasks.events import EventLog
-    from workers.reaper import Reaper
 
     reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client, configure(settings))
     return reaper.sweep
@@ -135,9 +135,9 @@ def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    from workers.controls import UnknownModel
-    from workers.policy import PolicyError
-    from workers.schedule import ScheduleError, parse_duration
+    from fleet.controls import UnknownModel
+    from fleet.policy import PolicyError
+    from fleet.schedule import ScheduleError, parse_duration
 
     controls = _controls(_settings())
     actor = _actor(args)
@@ -175,8 +175,8 @@ def _window_line(w: dict[str, Any]) -> str:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from workers.controls import UnknownModel
-    from workers.schedule import ScheduleError
+    from fleet.controls import UnknownModel
+    from fleet.schedule import ScheduleError
 
     controls = _controls(_settings())
     try:

@@ -47,7 +47,7 @@ import redis
 
 from config import Settings
 from config.settings import PROJECT_ROOT
-from workers.heartbeat import list_workers
+from fleet.registry import list_workers
 from workers.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)

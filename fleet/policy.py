@@ -37,7 +37,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from config.catalog import SCALING_TUNABLES, Scaling
-from workers.schedule import Window, active_windows
+from fleet.schedule import Window, active_windows
 
 Reason = Literal["manual", "queue", "window", "min", "max"]
 REASONS: tuple[Reason, ...] = ("manual", "queue", "window", "min", "max")

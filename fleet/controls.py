@@ -19,10 +19,10 @@ from config.catalog import SCALING_TUNABLES
 from db.jobs import JobStore
 from db.scaling import ScalingStore
 from db.session import Database
-from workers.heartbeat import list_workers
-from workers.policy import Overrides, PolicyError, effective_policy
-from workers.scaler import LeaderLock, ScalerState, policy_for
-from workers.schedule import validated_window
+from fleet.policy import Overrides, PolicyError, effective_policy
+from fleet.registry import list_workers
+from fleet.scaler_state import LeaderLock, ScalerState, policy_for
+from fleet.schedule import validated_window
 
 
 class UnknownModel(LookupError):
