@@ -54,7 +54,8 @@ faults: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/mypy api tasks workers models db config client
+	$(BIN)/mypy api tasks workers fleet models db config client
+	$(PY) -m tests.import_rules
 
 # The benchmark's peer, llama-cpp-python's server, lives in a venv of its own;
 # pip builds llama.cpp from source the first time (about 5 minutes on 2 cores).

@@ -19,7 +19,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
-from api.auth import require_role
+from api.auth import ADMINS, OPERATORS, caller, role_required
 from api.catalog import model_states
 from api.errors import Conflict, NotFound, ValidationFailed
 from api.openapi import spec
@@ -32,8 +32,6 @@ from db.schema import Role, utcnow
 bp = Blueprint("admin", __name__)
 
 USER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
-ADMIN = (Role.admin.value,)
-OPERATORS = (Role.admin.value, Role.operator.value)
 
 
 class _Body(BaseModel):
@@ -123,15 +121,15 @@ def token_view(token: TokenInfo) -> dict[str, Any]:
 
 @bp.get("/v1/admin/users")
 @spec("List users", tags=("admin",), auth="admin")
+@role_required(*ADMINS)
 def list_users() -> Response:
-    require_role(*ADMIN)
     return jsonify({"data": [user_view(u) for u in services().accounts.list_users()]})
 
 
 @bp.post("/v1/admin/users")
 @spec("Add a user", tags=("admin",), auth="admin", body=UserCreate, success=201)
+@role_required(*ADMINS)
 def add_user() -> tuple[Response, int]:
-    require_role(*ADMIN)
     body = parse(UserCreate, json_body())
     accounts = services().accounts
     try:
@@ -150,8 +148,8 @@ def add_user() -> tuple[Response, int]:
 
 @bp.patch("/v1/admin/users/<name>")
 @spec("Change a user's role or limits", tags=("admin",), auth="admin", body=UserUpdate)
+@role_required(*ADMINS)
 def update_user(name: str) -> Response:
-    require_role(*ADMIN)
     body = parse(UserUpdate, json_body())
     changes: dict[str, Any] = {}
     for key in ("max_concurrent_jobs", "requests_per_minute"):
@@ -172,8 +170,8 @@ def update_user(name: str) -> Response:
     body=TokenCreate,
     success=201,
 )
+@role_required(*ADMINS)
 def create_token(name: str) -> tuple[Response, int]:
-    require_role(*ADMIN)
     body = parse(TokenCreate, json_body())
     expiry = body.expiry(services().settings.token_ttl_days)
     if expiry is not None and expiry <= utcnow():
@@ -198,8 +196,8 @@ def create_token(name: str) -> tuple[Response, int]:
 
 @bp.get("/v1/admin/tokens")
 @spec("List tokens (never their secrets)", tags=("admin",), auth="admin", query=TokenQuery)
+@role_required(*ADMINS)
 def list_tokens() -> Response:
-    require_role(*ADMIN)
     query = parse(TokenQuery, request.args.to_dict())
     tokens = services().accounts.list_tokens(query.user)
     return jsonify({"data": [token_view(t) for t in tokens]})
@@ -207,8 +205,8 @@ def list_tokens() -> Response:
 
 @bp.delete("/v1/admin/tokens/<int:token_id>")
 @spec("Revoke a token", tags=("admin",), auth="admin")
+@role_required(*ADMINS)
 def revoke_token(token_id: int) -> Response:
-    require_role(*ADMIN)
     accounts = services().accounts
     owner = accounts.token_owner(token_id)
     if owner is None:
@@ -241,8 +239,8 @@ def _model_view(name: str, states: dict[str, Any]) -> dict[str, Any]:
 
 @bp.get("/v1/admin/models")
 @spec("Models with their state and run-time overrides", tags=("admin",), auth="operator")
+@role_required(*OPERATORS)
 def list_models() -> Response:
-    require_role(*OPERATORS)
     svc = services()
     states = model_states(svc)
     return jsonify({"data": [_model_view(d.name, states) for d in svc.catalog]})
@@ -255,8 +253,9 @@ def list_models() -> Response:
     auth="operator",
     body=ModelPatch,
 )
+@role_required(*OPERATORS)
 def patch_model(name: str) -> Response:
-    principal = require_role(*OPERATORS)
+    principal = caller()
     svc = services()
     if name not in svc.catalog:
         raise NotFound(f"model {name!r} is not defined here")

@@ -15,18 +15,25 @@ credential expects it to be used.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, cast
 
-from flask import request
+from flask import g, request
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.errors import Forbidden, Unauthorized
 from api.services import services
 from db.accounts import Principal
+from db.schema import Role
 
 log = logging.getLogger(__name__)
+
+ADMINS = (Role.admin.value,)
+OPERATORS = (Role.admin.value, Role.operator.value)
+View = TypeVar("View", bound=Callable[..., Any])
 
 SUBPROTOCOL = "switchyard"
 SUBPROTOCOL_TOKEN_PREFIX = "bearer."
@@ -95,6 +102,30 @@ def require_role(*roles: str) -> Principal:
     principal = require_principal()
     if principal.role not in roles:
         raise Forbidden(f"this needs the role {' or '.join(roles)}")
+    return principal
+
+
+def role_required(*roles: str) -> Callable[[View], View]:
+    """A view only callers holding one of ``roles`` may call (see :func:`require_role`).
+
+    The view finds its caller with :func:`caller`.
+    """
+
+    def decorate(view: View) -> View:
+        @functools.wraps(view)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            g.principal = require_role(*roles)
+            return view(*args, **kwargs)
+
+        return cast(View, checked)
+
+    return decorate
+
+
+def caller() -> Principal:
+    """The caller :func:`role_required` let through to this request's view."""
+    principal = g.get("principal")
+    assert isinstance(principal, Principal), "the view is not decorated with role_required"
     return principal
 
 

@@ -11,8 +11,8 @@ from api.auth import optional_principal
 from api.limits import count_lookup
 from api.services import Services, services
 from db.overrides import ModelOverrides, apply
-from workers.heartbeat import list_workers
-from workers.scaler import ScalerState
+from fleet.registry import list_workers
+from fleet.scaler_state import ScalerState
 
 bp = Blueprint("catalog", __name__)
 

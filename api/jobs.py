@@ -63,10 +63,10 @@ from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
+from fleet.scaler_state import wake_if_idle
 from tasks.celery import GENERATE_TASK
-from tasks.events import JobEvent
+from tasks.events import JobEvent, usage
 from tasks.queues import queue_name
-from workers.scaler import wake_if_idle
 
 log = logging.getLogger(__name__)
 
@@ -396,16 +396,11 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
     """
     if job.status == JobStatus.failed:
         return JobEvent(seq, "error", {"error": job.error or "failed", "from_record": True})
-    prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
     fields: dict[str, Any] = {
         "finish_reason": job.finish_reason
         or ("cancelled" if job.status == JobStatus.cancelled else "stop"),
         "text": job.output_text or "",
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
+        "usage": usage(job.prompt_tokens or 0, job.completion_tokens or 0),
         "from_record": True,
     }
     return JobEvent(seq, "done", fields)

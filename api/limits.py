@@ -36,7 +36,7 @@ from db.jobs import JobStore
 from db.lookups import RowCache
 from db.schema import ScalingOverride
 from db.session import Database
-from workers.heartbeat import list_workers
+from fleet.registry import list_workers
 
 # A reservation younger than this, in seconds, whose job row is missing is kept:
 # its request may still be inserting the row.

@@ -33,13 +33,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from api.auth import require_role
+from api.auth import OPERATORS, require_role
 from api.services import Services, services
+from fleet.capacity import fleet, worker_status
+from fleet.registry import list_workers
 from tasks import metrics as m
 from tasks.messages import BrokerView
 from tasks.metrics import MetricsStore
-from workers.fleet import fleet, worker_status
-from workers.heartbeat import list_workers
 
 bp = Blueprint("metrics", __name__)
 
@@ -164,7 +164,7 @@ class FarmCollector:
 @bp.get("/metrics")
 def metrics() -> Response:
     if services().settings.metrics_token_required:
-        require_role("operator", "admin")
+        require_role(*OPERATORS)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FarmCollector(services()))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

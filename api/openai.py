@@ -24,7 +24,8 @@ accepted only at their neutral value; anything else is a 422 naming the field.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from flask import Blueprint, Response, jsonify
@@ -45,18 +46,19 @@ from api.jobs import (
 )
 from api.openapi import spec
 from api.schemas import (
-    MAX_STOP_STRINGS,
     GenerationParams,
     JobRequest,
     Message,
-    check_finite,
+    SamplingFields,
     check_stop_strings,
     json_body,
     parse,
 )
 from api.services import services
 from api.streams import sse_response
+from config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, OPENAI_MAX_TEMPERATURE
 from db.schema import Job
+from tasks.events import usage_of
 
 bp = Blueprint("openai", __name__)
 envelopes.register(bp, envelopes.openai_body)
@@ -106,25 +108,22 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Common(SamplingFields):
     model: str = Field(min_length=1, max_length=64)
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=OPENAI_MAX_TEMPERATURE)
     stop: (
-        Annotated[str, Field(max_length=256)]
-        | Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOP_STRINGS)]
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP_STRINGS),
+        ]
         | None
     ) = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int | None = Field(default=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    top_k: int | None = Field(default=None, ge=0, le=100_000)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     presence_penalty: float | None = Field(default=None, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(default=None, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(
@@ -132,11 +131,6 @@ class _Common(BaseModel):
     )
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     store: bool | None = None
-
-    @field_validator("temperature", "top_p", "repetition_penalty")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        return check_finite(value)
 
     @field_validator("n")
     @classmethod
@@ -256,17 +250,6 @@ def _submit(body: ChatCompletionRequest | CompletionRequest) -> Submitted:
         raise
 
 
-def _usage(fields: dict[str, Any]) -> dict[str, int]:
-    usage = fields.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
 def _finish_reason(fields: dict[str, Any]) -> str:
     reason = str(fields.get("finish_reason") or "stop")
     return FINISH_REASONS.get(reason, reason)
@@ -274,6 +257,49 @@ def _finish_reason(fields: dict[str, Any]) -> str:
 
 def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """The envelope of one answer's bodies: the whole answer or its streamed chunks."""
+
+    completion_id: str
+    object: str
+    job: Job
+    include_usage: bool = False
+    choice: Callable[[str | None, str | None], dict[str, Any]] | None = None
+    """A streamed chunk's choice from its text and finish reason."""
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": self.object,
+            "created": int(self.job.created_at.timestamp()),
+            "model": self.job.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        """An SSE chunk; it carries ``usage`` (null but on the last) when the client asked."""
+        return _data(self.body(choices, **({"usage": usage} if self.include_usage else {})))
+
+    def __call__(
+        self, text: str | None, finish: str | None, usage: dict[str, int] | None = None
+    ) -> str:
+        """A chunk of ``text`` (and ``finish``), or with ``usage`` the usage-only last chunk."""
+        assert self.choice is not None
+        return self.chunk([] if usage is not None else [self.choice(text, finish)], usage)
+
+
+def _chat_choice(text: str | None, finish: str | None) -> dict[str, Any]:
+    delta = {"content": text} if text else {}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _text_choice(text: str | None, finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
 
 def _error_chunk(message: str) -> str:
@@ -292,7 +318,7 @@ def _error_chunk(message: str) -> str:
 def _stream(
     job: Job,
     body: ChatCompletionRequest | CompletionRequest,
-    chunk: Any,
+    chunk: _Answer,
     first: str | None,
 ) -> Iterator[str]:
     """The SSE body of a streaming answer; cancels the job if the client leaves early."""
@@ -316,7 +342,7 @@ def _stream(
             elif event.type == "done":
                 yield chunk("", _finish_reason(event.fields))
                 if include_usage:
-                    yield chunk(None, None, usage=_usage(event.fields))
+                    yield chunk(None, None, usage=usage_of(event.fields))
                 ended = True
             elif event.type == "error":
                 yield _error_chunk(str(event.fields.get("error") or "error"))
@@ -344,58 +370,20 @@ def _sse(stream: Iterator[str], job: Job) -> Response:
 def chat_completions() -> Response:
     body = parse(ChatCompletionRequest, json_body())
     job = _submit(body).job
-    created = int(job.created_at.timestamp())
     completion_id = f"chatcmpl-{job.id}"
-    include_usage = body.include_usage()
 
     if body.stream:
-
-        def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None) -> str:
-            choices: list[dict[str, Any]] = []
-            if usage is None:
-                delta = {"content": text} if text else {}
-                choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-            payload: dict[str, Any] = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": job.model,
-                "system_fingerprint": None,
-                "choices": choices,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return _data(payload)
-
-        first = _data(
-            {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": job.model,
-                "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                **({"usage": None} if include_usage else {}),
-            }
+        chunk = _Answer(
+            completion_id, "chat.completion.chunk", job, body.include_usage(), _chat_choice
         )
+        role = {"role": "assistant", "content": ""}
+        first = chunk.chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
         return _sse(_stream(job, body, chunk, first), job)
 
     done = final_event(job, idle_s=services().settings.stream_keepalive_s)
     response = jsonify(
-        {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": job.model,
-            "system_fingerprint": None,
-            "choices": [
+        _Answer(completion_id, "chat.completion", job).body(
+            [
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": done.text, "refusal": None},
@@ -403,8 +391,8 @@ def chat_completions() -> Response:
                     "finish_reason": _finish_reason(done.fields),
                 }
             ],
-            "usage": _usage(done.fields),
-        }
+            usage=usage_of(done.fields),
+        )
     )
     response.headers["X-Job-Id"] = job.id
     return response
@@ -420,50 +408,16 @@ def chat_completions() -> Response:
 def completions() -> Response:
     body = parse(CompletionRequest, json_body())
     job = _submit(body).job
-    created = int(job.created_at.timestamp())
-    completion_id = f"cmpl-{job.id}"
-    include_usage = body.include_usage()
+    answer = _Answer(f"cmpl-{job.id}", "text_completion", job, body.include_usage(), _text_choice)
 
     if body.stream:
-
-        def chunk(text: str | None, finish: str | None, usage: dict[str, int] | None = None) -> str:
-            choices: list[dict[str, Any]] = []
-            if usage is None:
-                choices = [
-                    {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-                ]
-            payload: dict[str, Any] = {
-                "id": completion_id,
-                "object": "text_completion",
-                "created": created,
-                "model": job.model,
-                "system_fingerprint": None,
-                "choices": choices,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return _data(payload)
-
-        return _sse(_stream(job, body, chunk, None), job)
+        return _sse(_stream(job, body, answer, None), job)
 
     done = final_event(job, idle_s=services().settings.stream_keepalive_s)
     response = jsonify(
-        {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": job.model,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": done.text,
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(done.fields),
-                }
-            ],
-            "usage": _usage(done.fields),
-        }
+        answer.body(
+            [_text_choice(done.text, _finish_reason(done.fields))], usage=usage_of(done.fields)
+        )
     )
     response.headers["X-Job-Id"] = job.id
     return response

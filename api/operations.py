@@ -12,27 +12,15 @@ from typing import Any
 
 from flask import Blueprint, Flask, Response, jsonify
 
-from api.auth import require_principal
-from api.errors import Forbidden
+from api.auth import OPERATORS, role_required
 from api.services import Services, services
-from db.accounts import Principal
-from db.schema import Role
-from workers.fleet import fleet, worker_status
-from workers.heartbeat import list_workers
-from workers.reaper import Reaper, ReaperLoop
+from fleet.capacity import fleet, worker_status
+from fleet.reaper import Reaper, ReaperLoop
+from fleet.registry import list_workers
 
 bp = Blueprint("operations", __name__)
 
 REAPER_EXTENSION = "switchyard.reaper"
-OPERATOR_ROLES = frozenset({Role.admin.value, Role.operator.value})
-
-
-def require_operator() -> Principal:
-    """The caller, who must be an admin or an operator (401 without a token, 403 for users)."""
-    principal = require_principal()
-    if principal.role not in OPERATOR_ROLES:
-        raise Forbidden("this route is for operators and admins")
-    return principal
 
 
 def worker_view(report: dict[str, Any]) -> dict[str, Any]:
@@ -57,8 +45,8 @@ def worker_view(report: dict[str, Any]) -> dict[str, Any]:
 
 
 @bp.get("/v1/admin/workers")
+@role_required(*OPERATORS)
 def list_all_workers() -> Response:
-    require_operator()
     svc = services()
     reports = list_workers(svc.redis, svc.settings)
     models = [

@@ -21,20 +21,17 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
-from api.auth import require_principal
-from api.errors import Forbidden, NotFound, ValidationFailed
+from api.auth import OPERATORS, caller, role_required
+from api.errors import NotFound, ValidationFailed
 from api.openapi import spec
 from api.schemas import json_body, parse
 from api.services import services
-from db.accounts import Principal
-from db.schema import Role
-from workers.controls import ScalingControls, UnknownModel
-from workers.policy import PolicyError
-from workers.schedule import ScheduleError
+from config.catalog import SCALING_TUNABLES
+from fleet.controls import ScalingControls, UnknownModel
+from fleet.policy import PolicyError
+from fleet.schedule import ScheduleError
 
 bp = Blueprint("scaling", __name__)
-
-OPERATOR_ROLES = (Role.admin.value, Role.operator.value)
 
 
 class _Body(BaseModel):
@@ -79,13 +76,6 @@ class WindowBody(_Body):
     max_replicas: int | None = Field(default=None, ge=0, le=10_000)
 
 
-def _operator() -> Principal:
-    principal = require_principal()
-    if principal.role not in OPERATOR_ROLES:
-        raise Forbidden("scaling is for operators and admins")
-    return principal
-
-
 def _controls() -> ScalingControls:
     svc = services()
     return ScalingControls(svc.settings, svc.catalog, svc.db, svc.redis)
@@ -107,8 +97,8 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     tags=("scaling",),
     auth="operator",
 )
+@role_required(*OPERATORS)
 def scaling_status() -> Response:
-    _operator()
     decisions = request.args.get("decisions", "20")
     if not decisions.isdigit() or int(decisions) > 1000:
         raise ValidationFailed("decisions: an integer from 0 to 1000", field="decisions")
@@ -117,8 +107,8 @@ def scaling_status() -> Response:
 
 @bp.get("/v1/admin/models/<name>/scaling")
 @spec("A model's scaling policy, pin and replicas", tags=("scaling",), auth="operator")
+@role_required(*OPERATORS)
 def get_scaling(name: str) -> Response:
-    _operator()
     return jsonify(_call(_controls().view, name))
 
 
@@ -129,24 +119,14 @@ def get_scaling(name: str) -> Response:
     auth="operator",
     body=ScalingChange,
 )
+@role_required(*OPERATORS)
 def put_scaling(name: str) -> Response:
-    actor = _operator().user_name
+    actor = caller().user_name
     change = parse(ScalingChange, json_body())
     controls = _controls()
     _call(controls.definition, name)
     given = change.model_fields_set
-    tunables = {
-        k: getattr(change, k)
-        for k in (
-            "min_replicas",
-            "max_replicas",
-            "target_jobs_per_replica",
-            "upscale_delay_s",
-            "downscale_delay_s",
-            "scale_to_zero_delay_s",
-        )
-        if k in given
-    }
+    tunables = {k: getattr(change, k) for k in SCALING_TUNABLES if k in given}
     view = None
     if tunables:
         view = _call(controls.update_policy, name, tunables, actor)
@@ -162,15 +142,15 @@ def put_scaling(name: str) -> Response:
 
 @bp.get("/v1/admin/models/<name>/scaling/audit")
 @spec("Who changed a model's scaling, when and how", tags=("scaling",), auth="operator")
+@role_required(*OPERATORS)
 def scaling_audit(name: str) -> Response:
-    _operator()
     return jsonify({"model": name, "entries": _call(_controls().audit, name)})
 
 
 @bp.get("/v1/admin/models/<name>/schedule")
 @spec("A model's run-time scaling windows", tags=("scaling",), auth="operator")
+@role_required(*OPERATORS)
 def list_windows(name: str) -> Response:
-    _operator()
     return jsonify({"model": name, "windows": _call(_controls().windows, name)})
 
 
@@ -182,8 +162,9 @@ def list_windows(name: str) -> Response:
     body=WindowBody,
     success=201,
 )
+@role_required(*OPERATORS)
 def add_window(name: str) -> tuple[Response, int]:
-    actor = _operator().user_name
+    actor = caller().user_name
     body = parse(WindowBody, json_body())
     window = _call(
         _controls().add_window,
@@ -201,8 +182,9 @@ def add_window(name: str) -> tuple[Response, int]:
 
 @bp.delete("/v1/admin/models/<name>/schedule/<int:window_id>")
 @spec("Remove a run-time scaling window", tags=("scaling",), auth="operator", success=204)
+@role_required(*OPERATORS)
 def remove_window(name: str, window_id: int) -> tuple[str, int]:
-    actor = _operator().user_name
+    actor = caller().user_name
     if not _call(_controls().remove_window, name, window_id, actor):
         raise NotFound(f"model {name!r} has no run-time window {window_id}")
     return "", 204

@@ -10,9 +10,14 @@ from flask import request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.errors import BadRequest, UnsupportedMediaType, ValidationFailed
-
-MAX_STOP_STRINGS = 8
-MAX_STOP_LENGTH = 256
+from config.sampling import (
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+)
 
 
 def check_finite(value: float | None) -> float | None:
@@ -23,10 +28,10 @@ def check_finite(value: float | None) -> float | None:
 
 
 def check_stop_strings(items: list[str]) -> None:
-    """Every front door takes the same stop strings: 1 to MAX_STOP_LENGTH characters."""
+    """Every front door takes the same stop strings: 1 to MAX_STOP_CHARS characters."""
     for s in items:
-        if not s or len(s) > MAX_STOP_LENGTH:
-            raise ValueError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
 
 
 MAX_DEADLINE_S = 7 * 86400
@@ -42,22 +47,27 @@ class Message(_Body):
     content: str = Field(max_length=1_000_000)
 
 
-class GenerationParams(_Body):
-    """Sampling parameters; any left out take the model's defaults."""
+class SamplingFields(_Body):
+    """The sampling fields every front door takes, within config/sampling.py's bounds."""
 
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=5)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, le=100_000)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    truncate: bool = False
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
     @field_validator("temperature", "top_p", "repetition_penalty")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         return check_finite(value)
+
+
+class GenerationParams(SamplingFields):
+    """Sampling parameters; any left out take the model's defaults."""
+
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    truncate: bool = False
 
     @field_validator("stop")
     @classmethod

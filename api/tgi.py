@@ -50,19 +50,19 @@ from api.jobs import (
 )
 from api.openapi import Header, spec
 from api.schemas import (
-    MAX_STOP_STRINGS,
     GenerationParams,
     JobRequest,
-    check_finite,
+    SamplingFields,
     check_stop_strings,
     json_body,
     parse,
 )
 from api.services import services
 from api.streams import sse_response
+from config.sampling import MAX_STOP_STRINGS
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
-from tasks.events import StreamedOutput
+from tasks.events import StreamedOutput, usage_of
 
 bp = Blueprint("tgi", __name__)
 envelopes.register(bp, envelopes.tgi_body)
@@ -70,19 +70,12 @@ envelopes.register(bp, envelopes.tgi_body)
 MODEL_HEADER = Header("X-Model", "The model to use (default: the first enabled model).")
 
 
-class TGIParameters(BaseModel):
+class TGIParameters(SamplingFields):
     """TGI's ``parameters``; the ones a transformers engine cannot honour only at their
     neutral value (null, false, 1)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     max_new_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float | None = Field(default=None, ge=0, le=5)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, le=100_000)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     stop: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     do_sample: bool | None = None
     details: bool | None = None
     return_full_text: bool | None = None
@@ -97,11 +90,6 @@ class TGIParameters(BaseModel):
     top_n_tokens: int | None = Field(default=None, description="Not supported.")
     adapter_id: str | None = Field(default=None, max_length=0, description="Not supported.")
     grammar: None = Field(default=None, description="Not supported.")
-
-    @field_validator("temperature", "top_p", "repetition_penalty")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        return check_finite(value)
 
     @field_validator("stop")
     @classmethod
@@ -203,10 +191,9 @@ def _submit(body: GenerateRequest) -> Job:
 
 
 def _details(body: GenerateRequest, fields: dict[str, Any]) -> dict[str, Any]:
-    usage = fields.get("usage") or {}
     return {
         "finish_reason": fields.get("finish_reason"),
-        "generated_tokens": int(usage.get("completion_tokens") or 0),
+        "generated_tokens": usage_of(fields)["completion_tokens"],
         "seed": body.parameters.seed,
     }
 

@@ -559,7 +559,7 @@ def wait_http(url: str, child: Child, timeout: float) -> None:
 
 
 def wait_worker_ready(settings: Settings, model: str, child: Child) -> None:
-    from workers.heartbeat import list_workers
+    from fleet.registry import list_workers
 
     client = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + WORKER_READY_TIMEOUT_S

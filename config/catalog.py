@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from config.sampling import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_K
+
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 
 
@@ -124,10 +126,10 @@ class SamplingDefaults(_Strict):
     """Sampling used when a request does not say."""
 
     max_new_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.7, ge=0, le=5)
+    temperature: float = Field(default=0.7, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
 
 
 class RunCommand(_Strict):
@@ -207,6 +209,17 @@ class ScheduleWindow(_Strict):
         ):
             raise ValueError("min_replicas is above max_replicas")
         return self
+
+
+SCALING_TUNABLES = (
+    "min_replicas",
+    "max_replicas",
+    "target_jobs_per_replica",
+    "upscale_delay_s",
+    "downscale_delay_s",
+    "scale_to_zero_delay_s",
+)
+"""The scaling fields an operator may change at run time (``switchyard scale``, the API)."""
 
 
 class Scaling(_Strict):

@@ -3,7 +3,7 @@
 Every change an operator makes goes through :class:`ScalingStore` together
 with an audit row naming who made it, in the same transaction, so the two
 can never disagree. The rows are plain data; merging them with a model's
-definition is ``workers.policy``'s job.
+definition is ``fleet.policy``'s job.
 """
 
 from __future__ import annotations
@@ -15,17 +15,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from config.catalog import SCALING_TUNABLES
 from db.schema import ScalingAudit, ScalingDecision, ScalingOverride, ScalingWindow, utcnow
 from db.session import Database
-
-OVERRIDE_FIELDS = (
-    "min_replicas",
-    "max_replicas",
-    "target_jobs_per_replica",
-    "upscale_delay_s",
-    "downscale_delay_s",
-    "scale_to_zero_delay_s",
-)
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,7 @@ class ScalingStore:
 
     def update_policy(self, model: str, changes: dict[str, Any], actor: str) -> None:
         """Set the given tunables (None restores the definition's value); audited."""
-        unknown = set(changes) - set(OVERRIDE_FIELDS)
+        unknown = set(changes) - set(SCALING_TUNABLES)
         if unknown:
             raise ValueError(f"not a scaling tunable: {', '.join(sorted(unknown))}")
         with self.db.session() as s:

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from config import sampling as bounds
 from models.errors import InvalidRequest
-
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 256
-MAX_TEMPERATURE = 100.0
-MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -50,34 +46,37 @@ class SamplingParams:
             raise InvalidRequest("max_new_tokens", "must be at least 1")
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest("max_new_tokens", f"must be at most {max_new_tokens_limit}")
-        if not _finite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise InvalidRequest("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}")
+        if not _finite(self.temperature) or not 0 <= self.temperature <= bounds.MAX_TEMPERATURE:
+            raise InvalidRequest("temperature", f"must be between 0 and {bounds.MAX_TEMPERATURE:g}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", "must be above 0 and at most 1")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest("top_k", "must be a non-negative integer (0 = off)")
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or not 0 <= self.top_k <= bounds.MAX_TOP_K
+        ):
+            raise InvalidRequest("top_k", f"must be an integer from 0 (off) to {bounds.MAX_TOP_K}")
         if (
             not _finite(self.repetition_penalty)
-            or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+            or not 0 < self.repetition_penalty <= bounds.MAX_REPETITION_PENALTY
         ):
-            raise InvalidRequest(
-                "repetition_penalty", f"must be above 0 and at most {MAX_REPETITION_PENALTY:g}"
-            )
+            highest = bounds.MAX_REPETITION_PENALTY
+            raise InvalidRequest("repetition_penalty", f"must be above 0 and at most {highest:g}")
         if not isinstance(self.stop, (tuple, list)):
             raise InvalidRequest("stop", "must be a sequence of strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if len(self.stop) > bounds.MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {bounds.MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequest("stop", "each stop string must be a non-empty string")
-            if len(s) > MAX_STOP_CHARS:
+            if len(s) > bounds.MAX_STOP_CHARS:
                 raise InvalidRequest(
-                    "stop", f"each stop string must be at most {MAX_STOP_CHARS} characters"
+                    "stop", f"each stop string must be at most {bounds.MAX_STOP_CHARS} characters"
                 )
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)
-            or not 0 <= self.seed < 2**63
+            or not 0 <= self.seed <= bounds.MAX_SEED
         ):
             raise InvalidRequest("seed", "must be an integer between 0 and 2**63 - 1")
 
@@ -86,7 +85,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-SEED_MASK = 2**63 - 1
+SEED_MASK = bounds.MAX_SEED
 TOP_P_HEAD = 1024
 """Candidates tried first for top-p; the full sort runs only if they hold too little mass."""
 

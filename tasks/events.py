@@ -51,6 +51,21 @@ class JobEvent:
         return cls(seq=seq, type=kind, fields=data)
 
 
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A ``done`` event's ``usage`` field, in OpenAI's shape (prompt, completion, total)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def usage_of(fields: dict[str, Any]) -> dict[str, int]:
+    """The ``usage`` of a ``done`` event's ``fields``; a count it lacks is 0."""
+    given = fields.get("usage") or {}
+    return usage(int(given.get("prompt_tokens") or 0), int(given.get("completion_tokens") or 0))
+
+
 @dataclass(frozen=True)
 class StreamedOutput:
     """What a job's stream has delivered so far: the output a next attempt continues.

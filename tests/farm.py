@@ -169,7 +169,7 @@ def start_worker(
 
 def wait_ready(settings: Settings, model: str, proc: Process, timeout: float = 240) -> str:
     """Block until ``proc``'s worker reports ready; returns its worker id."""
-    from workers.heartbeat import list_workers
+    from fleet.registry import list_workers
 
     client = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + timeout

@@ -1,1 +1,1 @@
-"""Worker processes: bootstrap, the job runner, heartbeats, the local launcher, the CLI."""
+"""Worker processes: bootstrap, the job runner, health checks, the scaler, the launcher, the CLI."""

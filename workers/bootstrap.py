@@ -31,6 +31,7 @@ from celery import signals
 from config import ModelDefinition, Settings, load_catalog
 from db.jobs import JobStore
 from db.session import Database
+from fleet.registry import Heartbeat, WorkerReport
 from tasks import configure
 from tasks.events import EventLog
 from tasks.generate import serve_with
@@ -38,7 +39,6 @@ from tasks.messages import send_generate
 from tasks.metrics import MetricsStore
 from tasks.queues import queue_name
 from tasks.tokenizers import publish_tokenizer_files, saved_tokenizer_files
-from workers.heartbeat import Heartbeat, WorkerReport
 from workers.prestart import PreStartFailed, run_prestart
 
 log = logging.getLogger(__name__)

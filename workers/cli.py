@@ -98,7 +98,7 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
 
         import redis
 
-        from workers.heartbeat import list_workers
+        from fleet.registry import list_workers
 
         settings = _settings()
         host = socket.gethostname()

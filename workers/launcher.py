@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from config import Settings, load_settings
 from config.settings import PROJECT_ROOT
+from workers.executors.local import worker_command
 from workers.lifeline import die_with_parent
 
 GRACE_S = 30.0
@@ -49,11 +50,6 @@ def web_command() -> list[str]:
     """The API's command line (the Procfile's ``web``)."""
     conf = str(PROJECT_ROOT / "api" / "gunicorn_conf.py")
     return [sys.executable, "-m", "gunicorn", "-c", conf, "api:create_app()"]
-
-
-def worker_command(model: str) -> list[str]:
-    """A model worker's command line (the Procfile's ``worker``)."""
-    return [sys.executable, "-m", "workers", "worker", "--model", model]
 
 
 def free_port() -> int:

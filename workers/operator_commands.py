@@ -35,8 +35,8 @@ def _table(rows: list[list[str]]) -> str:
 def _cmd_workers(args: argparse.Namespace) -> int:
     import redis
 
-    from workers.fleet import worker_status
-    from workers.heartbeat import list_workers
+    from fleet.capacity import worker_status
+    from fleet.registry import list_workers
 
     settings = _settings()
     reports = list_workers(redis.Redis.from_url(settings.redis_url), settings)
@@ -69,7 +69,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 
     from db.jobs import JobStore
     from db.session import Database
-    from workers.fleet import fleet
+    from fleet.capacity import fleet
 
     settings = _settings()
     try:
@@ -110,9 +110,9 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
 
     from db.jobs import JobStore
     from db.session import Database
+    from fleet.reaper import Reaper, ReaperLoop
     from tasks import configure
     from tasks.events import EventLog
-    from workers.reaper import Reaper, ReaperLoop
 
     settings = _settings()
     logging.basicConfig(

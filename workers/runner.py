@@ -45,31 +45,28 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
 from config import ModelDefinition, Settings
-from db.jobs import JobOutcome, JobStore
+from db.jobs import JobOutcome
 from db.schema import Job, JobStatus
 from models.engine import (
-    Engine,
     EngineError,
     FinishEvent,
     GenerationRequest,
     InvalidRequest,
     PromptTooLong,
-    RequestHandle,
     SamplingParams,
     TokenEvent,
 )
 from tasks import metrics as m
-from tasks.events import EventLog, JobEvent, StreamedOutput, StreamTaken
-from tasks.metrics import MetricsBatch, MetricsStore
+from tasks.events import JobEvent, StreamedOutput, StreamTaken, usage
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +81,57 @@ DRAIN_CANCEL_WAIT_S = 5.0
 
 
 T = TypeVar("T")
+
+
+class JobRows(Protocol):
+    """The job rows a runner claims and finishes (:class:`db.jobs.JobStore`)."""
+
+    def claim(self, job_id: str, worker: str) -> Job | None: ...
+    def get(self, job_id: str) -> Job | None: ...
+    def finish(self, job_id: str, worker: str, outcome: JobOutcome) -> bool: ...
+    def requeue(self, job_id: str, worker: str, *, count_attempt: bool) -> Job | None: ...
+
+
+class JobStreams(Protocol):
+    """The event log a runner writes and its cancel flags (:class:`tasks.events.EventLog`)."""
+
+    def append(self, job_id: str, events: list[JobEvent]) -> None: ...
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None: ...
+    def take(self, job_id: str, owner: str) -> None: ...
+    def history(self, job_id: str, after: int = -1) -> list[JobEvent]: ...
+    def next_seq(self, job_id: str) -> int: ...
+    def cancel_requested(self, job_id: str) -> bool: ...
+
+
+class Generation(Protocol):
+    """One submitted request (:class:`models.engine.RequestHandle`)."""
+
+    def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None: ...
+    def cancel(self) -> None: ...
+
+
+class GenerationEngine(Protocol):
+    """What a runner asks of the engine (:class:`models.engine.Engine`)."""
+
+    def encode_prompt(self, text: str, *, truncate: bool = False) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, truncate: bool = False
+    ) -> list[int]: ...
+    def submit(self, request: GenerationRequest) -> Generation: ...
+
+
+class MetricsRecorder(Protocol):
+    """One batch of metric changes (:class:`tasks.metrics.MetricsBatch`)."""
+
+    def inc(self, spec: m.CounterSpec, labels: Mapping[str, str], amount: float = 1) -> None: ...
+    def observe(self, spec: m.HistogramSpec, labels: Mapping[str, str], value: float) -> None: ...
+    def commit(self) -> None: ...
+
+
+class Metrics(Protocol):
+    """Where a runner counts jobs and tokens (:class:`tasks.metrics.MetricsStore`)."""
+
+    def batch(self) -> MetricsRecorder: ...
 
 
 def retry_redis(job_id: str, what: str, call: Callable[[], T]) -> T:
@@ -124,7 +172,7 @@ def sampling_params(definition: ModelDefinition, requested: dict[str, Any]) -> S
 class _Stream:
     """Sequence numbers and the pending token text of one job's stream."""
 
-    events: EventLog
+    events: JobStreams
     job_id: str
     next_seq: int
     owner: str | None = None  # this attempt's fence token (see EventLog.take)
@@ -146,9 +194,9 @@ class _Stream:
         self.flush()
         self._write([self._event(kind, fields)])
 
-    def add_text(self, text: str, ids: list[int]) -> None:
+    def add_text(self, text: str, ids: list[int], now: float) -> None:
         if not self.pending:
-            self.pending_since = time.monotonic()
+            self.pending_since = now
         self.pending += text
         self.pending_ids.extend(ids)
 
@@ -189,14 +237,21 @@ class JobRunner:
         *,
         settings: Settings,
         definition: ModelDefinition,
-        engine: Engine,
-        jobs: JobStore,
-        events: EventLog,
+        engine: GenerationEngine,
+        jobs: JobRows,
+        events: JobStreams,
         worker_id: str,
         resend: Callable[[str, str], None] | None = None,
-        metrics: MetricsStore | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """``resend(job_id, model)`` puts a re-queued job's message back on its queue."""
+        """``resend(job_id, model)`` puts a re-queued job's message back on its queue.
+
+        ``clock`` (seconds, monotonic) and ``sleep`` time the coalescing
+        window, the cancel poll, drains, the job timeout and the final
+        write's retries.
+        """
         self.settings = settings
         self.definition = definition
         self.engine = engine
@@ -205,6 +260,8 @@ class JobRunner:
         self.worker_id = worker_id
         self.resend = resend
         self.metrics = metrics
+        self._clock = clock
+        self._sleep = sleep
         self.last_job: str | None = None
         self._drain_at: float | None = None
         self._lock = threading.Lock()
@@ -215,7 +272,7 @@ class JobRunner:
 
         Safe to call from a signal handler (it only records the deadline).
         """
-        deadline = time.monotonic() + grace_s
+        deadline = self._clock() + grace_s
         if self._drain_at is None or deadline < self._drain_at:
             self._drain_at = deadline
 
@@ -228,7 +285,7 @@ class JobRunner:
             return sorted(self._active)
 
     def run(self, job_id: str) -> None:
-        if self._drain_due(time.monotonic()):
+        if self._drain_due(self._clock()):
             self._pass_on(job_id)
             return
         job = self.jobs.claim(job_id, self.worker_id)
@@ -297,7 +354,7 @@ class JobRunner:
 
     def _submit(
         self, job: Job, stream: _Stream, before: StreamedOutput
-    ) -> RequestHandle | FinishEvent:
+    ) -> Generation | FinishEvent:
         """Submit the job, continuing what earlier attempts streamed (module docstring).
 
         Returns a :class:`FinishEvent` instead when earlier attempts already
@@ -375,11 +432,11 @@ class JobRunner:
             submitted.cancel()
             raise
 
-    def _follow(self, job: Job, stream: _Stream, handle: RequestHandle) -> None:
+    def _follow(self, job: Job, stream: _Stream, handle: Generation) -> None:
         """Publish ``handle``'s events until it finishes, then record the outcome."""
         coalesce_s = self.settings.stream_coalesce_ms / 1000
-        deadline = time.monotonic() + self.settings.job_timeout_s
-        next_cancel_check = time.monotonic() + CANCEL_POLL_S
+        deadline = self._clock() + self.settings.job_timeout_s
+        next_cancel_check = self._clock() + CANCEL_POLL_S
         first_token_at: datetime | None = None
         timed_out = False
         user_cancelled = False
@@ -388,12 +445,12 @@ class JobRunner:
         labels = {"model": job.model}
         last_token_t: float | None = None
         while True:
-            now = time.monotonic()
+            now = self._clock()
             wait = CANCEL_POLL_S
             if stream.pending:
                 wait = max(0.0, min(wait, stream.pending_since + coalesce_s - now))
             event = handle.next_event(timeout=wait)
-            now = time.monotonic()
+            now = self._clock()
             if isinstance(event, TokenEvent) and drained_at is not None and not user_cancelled:
                 pass  # handed back: the next attempt generates it again (module docstring)
             elif isinstance(event, TokenEvent):
@@ -407,7 +464,7 @@ class JobRunner:
                     for _ in range(n):
                         batch.observe(m.INTER_TOKEN_LATENCY, labels, gap / n)
                 last_token_t = now
-                stream.add_text(event.text, event.token_ids)
+                stream.add_text(event.text, event.token_ids, now)
                 # Time-to-first-token is what a user feels: never coalesce it. Nor
                 # wait when the engine's steps are slower than the window (a big
                 # batch): no other token would join this one, the wait only delays
@@ -454,7 +511,7 @@ class JobRunner:
         event: FinishEvent,
         first_token_at: datetime | None,
         timed_out: bool,
-        batch: MetricsBatch | None = None,
+        batch: MetricsRecorder | None = None,
     ) -> None:
         if event.finish_reason == "error" or timed_out:
             error = event.error or "error"
@@ -493,11 +550,7 @@ class JobRunner:
             "done",
             finish_reason=event.finish_reason,
             text=event.text,
-            usage={
-                "prompt_tokens": event.prompt_tokens,
-                "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens,
-            },
+            usage=usage(event.prompt_tokens, event.completion_tokens),
             timings={
                 "queue_s": round((started - job.created_at).total_seconds(), 4),
                 "first_token_s": round((first_token_at - started).total_seconds(), 4)
@@ -519,7 +572,7 @@ class JobRunner:
         ``active_jobs``) and the reaper re-runs it.
         """
         delay = 0.2
-        deadline = time.monotonic() + self.settings.finish_retry_s
+        deadline = self._clock() + self.settings.finish_retry_s
         retried = False
         while True:
             try:
@@ -535,11 +588,11 @@ class JobRunner:
                     and row.output_text == outcome.output_text
                 )
             except SQLAlchemyError as exc:
-                if time.monotonic() >= deadline:
+                if self._clock() >= deadline:
                     raise
                 retried = True
                 log.warning("job %s: could not write its outcome (%s); retrying", job.id, exc)
-                time.sleep(delay)
+                self._sleep(delay)
                 delay = min(delay * 2, 2.0)
 
     def _fail(
@@ -550,7 +603,7 @@ class JobRunner:
         *,
         event: FinishEvent | None = None,
         first_token_at: datetime | None = None,
-        batch: MetricsBatch | None = None,
+        batch: MetricsRecorder | None = None,
     ) -> None:
         outcome = JobOutcome(
             status=JobStatus.failed,

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from config import Settings, SettingsError, load_catalog, load_settings
+from config.catalog import SCALING_TUNABLES
 
 
 def _settings() -> Settings:
@@ -41,7 +42,7 @@ def _controls(settings: Settings) -> Any:
     import redis
 
     from db.session import Database
-    from workers.controls import ScalingControls
+    from fleet.controls import ScalingControls
 
     return ScalingControls(
         settings,
@@ -61,15 +62,15 @@ def _fail(exc: Exception) -> int:
 
 
 def reaper_hook(settings: Settings, db: Any, client: Any) -> Callable[[], Any]:
-    """The reaper's sweep (``workers/reaper.py``), which the scaler leader runs each tick.
+    """The reaper's sweep (``fleet/reaper.py``), which the scaler leader runs each tick.
 
     Sweeps are safe from several processes at once, so this adds to the API's
     own reaper thread rather than replacing it.
     """
     from db.jobs import JobStore
+    from fleet.reaper import Reaper
     from tasks import configure
     from tasks.events import EventLog
-    from workers.reaper import Reaper
 
     reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client, configure(settings))
     return reaper.sweep
@@ -79,7 +80,8 @@ def _cmd_scaler(args: argparse.Namespace) -> int:
     import redis
 
     from db.session import Database
-    from workers.executors import ExecutorError, build_executor
+    from workers.executors import build_executor
+    from workers.executors.base import ExecutorError
     from workers.scaler import Scaler
 
     settings = _settings()
@@ -133,9 +135,9 @@ def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    from workers.controls import UnknownModel
-    from workers.policy import PolicyError
-    from workers.schedule import ScheduleError, parse_duration
+    from fleet.controls import UnknownModel
+    from fleet.policy import PolicyError
+    from fleet.schedule import ScheduleError, parse_duration
 
     controls = _controls(_settings())
     actor = _actor(args)
@@ -173,8 +175,8 @@ def _window_line(w: dict[str, Any]) -> str:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from workers.controls import UnknownModel
-    from workers.schedule import ScheduleError
+    from fleet.controls import UnknownModel
+    from fleet.schedule import ScheduleError
 
     controls = _controls(_settings())
     try:
@@ -261,14 +263,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--reset",
         action="append",
-        choices=[
-            "min_replicas",
-            "max_replicas",
-            "target_jobs_per_replica",
-            "upscale_delay_s",
-            "downscale_delay_s",
-            "scale_to_zero_delay_s",
-        ],
+        choices=SCALING_TUNABLES,
         help="restore a tunable to the model definition's value (repeatable)",
     )
     p.add_argument("--as", dest="actor", help="name recorded in the audit (default: your user)")

@@ -25,10 +25,11 @@ from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
 from db.overrides import ModelOverrides
 from db.session import Database
-from workers.controls import ScalingControls
-from workers.executors import ExecutorError
+from fleet.controls import ScalingControls
+from fleet.scaler_state import ScalerState
+from workers.executors.base import ExecutorError
 from workers.executors.kubernetes import KubernetesExecutor, deployment_name
-from workers.scaler import Scaler, ScalerState
+from workers.scaler import Scaler
 
 SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
 

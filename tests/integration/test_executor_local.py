@@ -141,7 +141,7 @@ def test_a_worker_killed_after_it_served_is_no_crash_loop(settings: Settings) ->
 
     import redis
 
-    from workers.heartbeat import registry_key
+    from fleet.registry import registry_key
 
     served = settings.model_copy(
         update={

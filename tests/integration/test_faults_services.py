@@ -39,8 +39,8 @@ import requests
 
 from config import Settings
 from config.settings import PROJECT_ROOT
+from fleet.registry import list_workers
 from tests import farm
-from workers.heartbeat import list_workers
 
 MODEL = "tiny-faults"  # tiny-random with 2 batch slots, so a few jobs fill a worker
 STEP_DELAY_MS = 10  # its pace: about 100 tokens a second per job

@@ -40,9 +40,9 @@ from config import Settings
 from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
+from fleet.registry import list_workers
 from tasks.events import EventLog
 from tests import farm
-from workers.heartbeat import list_workers
 
 CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]
 FINAL = ("succeeded", "failed", "cancelled")

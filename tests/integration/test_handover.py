@@ -28,12 +28,12 @@ from config import Settings, load_catalog
 from db.jobs import JobStore
 from db.schema import utcnow
 from db.session import Database
+from fleet.registry import Heartbeat, WorkerReport
 from models.engine import Engine, GenerationRequest, RequestHandle
 from models.llama import StepInput
 from models.loader import load_model
 from tasks.events import EventLog, JobEvent
 from tests import farm
-from workers.heartbeat import Heartbeat, WorkerReport
 from workers.runner import JobRunner
 
 MODEL = "tiny-handover"  # see conftest: no worker process ever serves it

@@ -20,10 +20,10 @@ import redis
 import requests
 
 from config import Settings
+from fleet.registry import list_workers
 from tasks.events import EventLog
 from tasks.messages import BrokerView, queue_keys
 from tests import farm
-from workers.heartbeat import list_workers
 
 MODEL = "tiny-recovery"
 CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]

@@ -30,11 +30,12 @@ from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
 from db.scaling import ScalingStore
 from db.session import Database
+from fleet.controls import ScalingControls
+from fleet.registry import list_workers
+from fleet.scaler_state import LeaderLock, ScalerState
 from tests import farm
-from workers.controls import ScalingControls
 from workers.executors.local import LocalExecutor
-from workers.heartbeat import list_workers
-from workers.scaler import LeaderLock, Scaler, ScalerState
+from workers.scaler import Scaler
 
 CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]
 

@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 
 from config.settings import PROJECT_ROOT
 
-PACKAGES = ("api", "tasks", "workers", "models", "db", "config", "client")
+PACKAGES = ("api", "tasks", "workers", "fleet", "models", "db", "config", "client")
 # Declared but never imported, each for a reason.
 NOT_IMPORTED = {
     "gunicorn": "runs the API as a program (python -m gunicorn)",

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from config.catalog import Scaling, ScheduleWindow
-from workers.policy import (
+from fleet.policy import (
     Decision,
     Memory,
     Observation,
@@ -17,7 +17,7 @@ from workers.policy import (
     decide,
     effective_policy,
 )
-from workers.schedule import ScheduleError, Window, parse_duration, validated_window
+from fleet.schedule import ScheduleError, Window, parse_duration, validated_window
 
 # Monday 2 March 2026, 10:00 UTC (11:00 in Paris, winter time).
 MONDAY_10 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)

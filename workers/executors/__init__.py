@@ -13,49 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
 
 import redis
 
 from config import Settings
-
-
-class ExecutorError(RuntimeError):
-    """An executor could not apply a replica count (the scaler retries next tick)."""
-
-
-class Executor(Protocol):
-    name: str
-
-    def apply(self, model: str, replicas: int) -> None:
-        """Make ``model`` run ``replicas`` workers (scale-down drains)."""
-
-    def poll(self) -> None:
-        """Supervise between ticks: reap, restart with backoff, enforce grace periods."""
-
-    def replicas(self) -> dict[str, int]:
-        """Workers per model this executor runs (not counting draining ones)."""
-
-    def close(self) -> None:
-        """Stop supervising; the local executor drains and stops its workers."""
-
-
-class RecordOnlyExecutor:
-    """Applies nothing: replicas are someone else's (compose services, KEDA)."""
-
-    name = "none"
-
-    def apply(self, model: str, replicas: int) -> None:
-        return None
-
-    def poll(self) -> None:
-        return None
-
-    def replicas(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        return None
+from workers.executors.base import Executor, RecordOnlyExecutor
 
 
 def build_executor(

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from config import Settings
-from workers.executors import ExecutorError
+from workers.executors.base import ExecutorError
 
 log = logging.getLogger(__name__)
 

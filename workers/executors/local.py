@@ -1,6 +1,6 @@
 """The local executor: one worker process per replica on this machine.
 
-* **Start**: ``workers.launcher.worker_command(model)``, in a session of its
+* **Start**: ``worker_command(model)``, in a session of its
   own (a Ctrl-C reaches the scaler, which then drains its workers in order).
   When GPUs are listed (``CUDA_VISIBLE_DEVICES``) each replica gets one of
   them, and a model cannot have more replicas than there are free GPUs. The
@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,11 +47,15 @@ import redis
 
 from config import Settings
 from config.settings import PROJECT_ROOT
-from workers.heartbeat import list_workers
-from workers.launcher import worker_command
+from fleet.registry import list_workers
 from workers.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
+
+
+def worker_command(model: str) -> list[str]:
+    """A model worker's command line (the Procfile's ``worker``)."""
+    return [sys.executable, "-m", "workers", "worker", "--model", model]
 
 
 @dataclass

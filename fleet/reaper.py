@@ -51,11 +51,11 @@ from sqlalchemy import exc as sa_exc
 from config import Settings
 from db.jobs import JobStore
 from db.schema import Job, utcnow
+from fleet.registry import last_beats, live_reports, prune_lost
 from tasks import metrics as m
 from tasks.events import EventLog, JobEvent
 from tasks.messages import BrokerView, send_generate
 from tasks.metrics import MetricsStore
-from workers.heartbeat import last_beats, live_reports, prune_lost
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Read from where each fact lives: the job table (queued, running), the worker
 heartbeats (only a live ``ready`` worker is capacity), and the scaler's
 published decisions (``<prefix>:scaling:desired``, written by
-:class:`workers.scaler.ScalerState`); a model the scaler has not decided on
+:class:`fleet.scaler_state.ScalerState`); a model the scaler has not decided on
 yet shows its definition's ``min_replicas``.
 """
 
@@ -18,7 +18,7 @@ import redis
 
 from config import Catalog, Settings
 from db.jobs import JobStore
-from workers.heartbeat import list_workers
+from fleet.registry import list_workers
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from config.catalog import Scaling
-from workers.schedule import Window, active_windows
+from config.catalog import SCALING_TUNABLES, Scaling
+from fleet.schedule import Window, active_windows
 
 Reason = Literal["manual", "queue", "window", "min", "max"]
 REASONS: tuple[Reason, ...] = ("manual", "queue", "window", "min", "max")
@@ -66,16 +66,6 @@ class Overrides:
     manual_until: datetime | None = None
 
 
-TUNABLES = (
-    "min_replicas",
-    "max_replicas",
-    "target_jobs_per_replica",
-    "upscale_delay_s",
-    "downscale_delay_s",
-    "scale_to_zero_delay_s",
-)
-
-
 @dataclass(frozen=True)
 class Policy:
     """The policy the scaler applies: definition, overrides and windows merged."""
@@ -99,7 +89,7 @@ class Policy:
         return self.manual_replicas
 
     def as_dict(self) -> dict[str, Any]:
-        body = {name: getattr(self, name) for name in TUNABLES}
+        body = {name: getattr(self, name) for name in SCALING_TUNABLES}
         body["windows"] = [w.as_dict() for w in self.windows]
         return body
 
@@ -114,7 +104,7 @@ def effective_policy(
     """
     o = overrides or Overrides()
     values: dict[str, Any] = {}
-    for name in TUNABLES:
+    for name in SCALING_TUNABLES:
         given = getattr(o, name)
         values[name] = given if given is not None else getattr(scaling, name)
     for name in ("min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s"):

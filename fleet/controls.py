@@ -15,13 +15,14 @@ from typing import Any
 import redis
 
 from config import Catalog, ModelDefinition, Settings
+from config.catalog import SCALING_TUNABLES
 from db.jobs import JobStore
-from db.scaling import OVERRIDE_FIELDS, ScalingStore
+from db.scaling import ScalingStore
 from db.session import Database
-from workers.heartbeat import list_workers
-from workers.policy import Overrides, PolicyError, effective_policy
-from workers.scaler import LeaderLock, ScalerState, policy_for
-from workers.schedule import validated_window
+from fleet.policy import Overrides, PolicyError, effective_policy
+from fleet.registry import list_workers
+from fleet.scaler_state import LeaderLock, ScalerState, policy_for
+from fleet.schedule import validated_window
 
 
 class UnknownModel(LookupError):
@@ -62,7 +63,7 @@ class ScalingControls:
         d = self.definition(model)
         override = self.store.override(model)
         policy = policy_for(d.scaling, override, self.store.windows(model))
-        overrides = {n: getattr(override, n) for n in OVERRIDE_FIELDS} if override else {}
+        overrides = {n: getattr(override, n) for n in SCALING_TUNABLES} if override else {}
         manual = None
         if override is not None and override.manual_replicas is not None:
             manual = {
@@ -143,12 +144,12 @@ class ScalingControls:
         """Set tunables (None restores the definition's); PolicyError if inconsistent."""
         d = self.definition(model)
         for name in changes:
-            if name not in OVERRIDE_FIELDS:
+            if name not in SCALING_TUNABLES:
                 raise PolicyError(name, "not a scaling tunable")
         for name in ("min_replicas", "max_replicas"):
             self._within_bound(name, changes.get(name))
         override = self.store.override(model)
-        merged = {n: getattr(override, n) if override else None for n in OVERRIDE_FIELDS}
+        merged = {n: getattr(override, n) if override else None for n in SCALING_TUNABLES}
         merged.update(changes)
 
         effective_policy(d.scaling, Overrides(**merged))  # raises when inconsistent
