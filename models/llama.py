@@ -198,11 +198,11 @@ class LlamaRuntime:
         self.residual = self.dtype if self.device.type == "cuda" else torch.float32
         self.quantization = quantization
         hidden = int(config.hidden_size)
+        # The engine's own kernels (models/native), where they build: a CPU only.
+        lib = native_library() if self.device.type == "cpu" else None
         if quantization == "int4":
             if not int4_supported(self.device, hidden):
                 raise ValueError(f"int4 weights are not supported on {self.device} for this shape")
-
-            lib = native_library() if self.device.type == "cpu" else None
 
             def make(w: torch.Tensor) -> Linear:
                 if lib is not None:
@@ -248,9 +248,8 @@ class LlamaRuntime:
         half = self.head_dim // 2
         self.freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
         self.scale = self.head_dim**-0.5
-        # The norms, the MLP's activation and decode attention in qgemm.c, where
-        # its library loads and the residual stream is float32 on a CPU.
-        lib = native_library() if self.device.type == "cpu" else None
+        # The norms, the MLP's activation, rotary embedding and decode attention in
+        # qgemm.c too, where it loads and the residual stream is float32.
         self.ops = native.Ops(lib) if lib is not None and self.residual == torch.float32 else None
         self.freqs_pairs = torch.view_as_real(self.freqs).contiguous()  # [positions, hd / 2, 2]
 
