@@ -132,17 +132,30 @@ def _build(cc: str, folder: Path, target: Path) -> None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.sy_qgemm.argtypes = [
+    for name in ("sy_qgemm",):
+        getattr(lib, name).argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.sy_pgemm.argtypes = [
         ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_int,
         ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int,
         ctypes.c_void_p,
     ]
-    lib.sy_qgemm.restype = ctypes.c_int
-    for name in ("sy_block_q4_1_size", "sy_block_q8_0_size", "sy_avx2"):
+    lib.sy_pgemm.restype = ctypes.c_int
+    for name in ("sy_block_q4_1_size", "sy_block_q8_0_size", "sy_avx2", "sy_panels"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

@@ -1,12 +1,12 @@
 """The engine's own CPU kernels (``models/native/qgemm.c``) against PyTorch.
 
 Each kernel is held to the arithmetic it promises: the grouped 4-bit and
-8-bit matmuls to a float32 matmul of the same (dequantized) weights and the
-same 8-bit-quantized activations, the norms, activation and decode attention
-to PyTorch's; and every one of them gives a row the same bits whatever it is
-batched with, which the engine's "same seed, same text, alone or batched"
-rests on. Without a C compiler the library is absent and the runtime keeps
-PyTorch's int4 kernel.
+8-bit matmuls (block and panel layouts) to a float32 matmul of the same
+(dequantized) weights and the same 16-bit-quantized activations, the norms,
+activation and decode attention to PyTorch's; and every one of them gives a
+row the same bits whatever it is batched with, which the engine's "same seed,
+same text, alone or batched" rests on. Without a C compiler the library is
+absent and the runtime keeps PyTorch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from models import native
 from models.llama import Chunk, LlamaRuntime, StepInput
-from models.quant import GROUP_SIZE, Int4Linear, NativeLinear, pack_q4_1
+from models.quant import GROUP_SIZE, PANEL_WIDTH, Int4Linear, NativeLinear, pack_q4_1
 from tests.unit.test_llama_runtime import _model
 
 lib = native.library()
@@ -44,13 +44,17 @@ def _q16_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [NativeLinear.Q4_1, NativeLinear.Q8_0])
+@pytest.mark.parametrize("outputs", [72, 96])
 def test_grouped_matmuls_compute_their_weights_and_give_a_row_the_same_bits_in_any_batch(
-    kind: int,
+    kind: int, outputs: int
 ) -> None:
+    """72 outputs take the block kernel; 96 (a multiple of 16) the panel kernel where
+    the CPU has AVX512-VNNI."""
     assert lib is not None
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(72, 6 * GROUP_SIZE, generator=gen) * 0.05
+    weight = torch.randn(outputs, 6 * GROUP_SIZE, generator=gen) * 0.05
     layer = NativeLinear(weight, kind, lib, dense=torch.float32, max_rows=40)
+    assert layer.panels == (outputs % PANEL_WIDTH == 0 and bool(lib.sy_panels()))
     x = torch.randn(37, weight.shape[1], generator=gen)
     got = layer(x)
     exact = _q16_activations(x) @ layer.dense.t()
