@@ -125,6 +125,20 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def switchyard(
+    env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The ``switchyard`` command with ``args`` in environment ``env``, run to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers", *args],
+        env=env,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class Process:
     """A child process whose output goes to a log file, stopped on exit."""
 

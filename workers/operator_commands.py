@@ -15,14 +15,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from config import CatalogError, Settings, SettingsError, load_catalog, load_settings
-
-
-def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        raise SystemExit(f"switchyard: bad setting {exc}") from None
+from config import CatalogError, load_catalog
+from workers.steering import announce
+from workers.steering import command_settings as _settings
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -132,6 +127,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
             reaper.sweep()
             for r in reaper.last_sweep:
                 print(f"{r.action:9} {r.job_id}  {r.model}  {r.reason}")
+            announce(settings)
             return 0
         loop = ReaperLoop(settings, make)
 
