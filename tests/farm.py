@@ -118,6 +118,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
             "SWITCHYARD_MAX_ATTEMPTS": str(settings.max_attempts),
             "SWITCHYARD_RECONCILE_AFTER_S": str(settings.reconcile_after_s),
             "SWITCHYARD_WORKER_GRACE_S": str(settings.worker_grace_s),
+            "SWITCHYARD_LOG_FORMAT": settings.log_format,
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         }

@@ -16,12 +16,12 @@ switchyard chat [--model M]        terminal chat with a running farm (client/)
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from config import CatalogError, load_catalog
+from config.logs import configure_logging
 from workers.steering import announce
 from workers.steering import command_settings as _settings
 
@@ -30,9 +30,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.bootstrap import run_worker
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     return run_worker(settings, args.model or settings.default_model)
 
 

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from config import Settings, load_settings
 from config.farm_record import describe_farm, forget_farm, read_farm, record_farm
+from config.logs import configure_logging
 from config.settings import PROJECT_ROOT
 from workers.executors.local import worker_command
 from workers.lifeline import die_with_parent
@@ -266,6 +267,7 @@ def wait_for_api(url: str, api: Child, timeout: float = 60) -> bool:
 
 def run_local(models: list[str] | None = None) -> int:
     settings = load_settings()
+    configure_logging(settings)  # the scaler's thread logs here
     running = read_farm(settings.state_dir)
     if running is not None and running.running():
         print(

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from dataclasses import asdict
 from typing import Any
 
 from config import CatalogError, load_catalog
+from config.logs import configure_logging
 from workers.steering import announce
 from workers.steering import command_settings as _settings
 
@@ -110,9 +110,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     from tasks.events import EventLog
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     client = redis.Redis.from_url(settings.redis_url)
     db = Database(settings.database_url)
 

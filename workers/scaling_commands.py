@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import logging
 import signal
 import sys
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 from config import Settings, load_catalog
 from config.catalog import SCALING_TUNABLES
 from config.farm_record import describe_farm
+from config.logs import configure_logging
 from workers.steering import announce
 from workers.steering import command_settings as _settings
 
@@ -81,9 +81,7 @@ def _cmd_scaler(args: argparse.Namespace) -> int:
     from workers.scaler import Scaler
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     client = redis.Redis.from_url(settings.redis_url)
     db = Database(settings.database_url)
     try:
