@@ -7,8 +7,6 @@ to nothing until a request needs it.
 
 from __future__ import annotations
 
-import logging
-
 import redis
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
@@ -25,6 +23,7 @@ from api import (
     openapi,
     operations,
     origins,
+    request_ids,
     scaling,
     sock,
     tgi,
@@ -37,6 +36,7 @@ from api.services import EXTENSION, Services
 from api.streamcaps import StreamCaps
 from api.streams import RelayHub
 from config import Settings, load_catalog, load_settings
+from config.logs import configure_logging
 from db.accounts import Accounts
 from db.jobs import JobStore
 from db.session import Database
@@ -52,9 +52,7 @@ REDIS_POOL_WAIT_S = 10.0
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API for ``settings`` (default: from the environment)."""
     settings = settings or load_settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["SOCK_SERVER_OPTIONS"] = {
@@ -103,6 +101,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         celery=configure(settings),
         caps=StreamCaps(client, settings),
     )
+    request_ids.init_app(app)
     origins.init_app(app)  # before any route: a refused origin runs nothing
     sock.init_app(app)  # websockets' sockets write whole frames, one writer at a time
     for blueprint in (health.bp, catalog.bp, jobs.bp):

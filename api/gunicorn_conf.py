@@ -44,6 +44,27 @@ accesslog = "-"
 access_log_format = '%(h)s "%(m)s %(U)s %(H)s" %(s)s %(b)s %(M)sms "%(a)s"'
 errorlog = "-"
 loglevel = _settings.log_level.lower()
+if _settings.log_format == "json":
+    # gunicorn's own lines (start, workers, the access log) in the app's JSON shape too;
+    # the app's records reach stderr through the handler of config.logs.
+    logconfig_dict = {
+        "root": {"level": _settings.log_level, "handlers": []},
+        "loggers": {
+            name: {"level": level, "handlers": ["json"], "propagate": False, "qualname": name}
+            for name, level in (
+                ("gunicorn.error", _settings.log_level),
+                ("gunicorn.access", "INFO"),
+            )
+        },
+        "handlers": {
+            "json": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "formatters": {"json": {"()": "config.logs.JsonFormatter"}},
+    }
 
 
 class _SlowClientRecord(logging.Filter):

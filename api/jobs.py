@@ -47,6 +47,7 @@ from api.errors import (
 )
 from api.limits import Limiter, caller_for, check_capacity, check_queue
 from api.openapi import Header, spec
+from api.request_ids import request_id
 from api.schemas import JobRequest, json_body, parse
 from api.services import services
 from api.sock import sock
@@ -66,6 +67,7 @@ from db.schema import Job, JobStatus, utcnow
 from fleet.scaler_state import wake_if_idle
 from tasks.celery import GENERATE_TASK
 from tasks.events import JobEvent, usage
+from tasks.joblog import log_job_event
 from tasks.queues import queue_name
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ def job_view(job: Job, full: bool = False) -> dict[str, Any]:
         "error": job.error if full else public_error(job.error),
         "attempts": job.attempts,
         "worker": job.worker if full else None,
+        "request_id": job.request_id,
         "params": job.params,
         "timestamps": {
             "queued": _iso(job.created_at),
@@ -256,6 +259,7 @@ def submit_job(
             deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
             idempotency_key=scoped_key,
             request_hash=digest,
+            request_id=request_id(),
         )
     except DuplicateIdempotencyKey:
         # A concurrent twin of this request won the insert: answer with its job.
@@ -272,13 +276,15 @@ def submit_job(
         with contextlib.suppress(Exception):
             limiter.refund_request(caller, admission)
         raise
+    log_job_event("submitted", job)
     try:
         svc.events.append(job_id, [JobEvent(seq=0, type="queued", fields={"model": req.model})])
         svc.celery.send_task(
             GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue_name(req.model)
         )
+        log_job_event("queued", job, queue=queue_name(req.model))
     except Exception as exc:  # broker or Redis down: nothing was accepted
-        log.warning("could not enqueue job %s: %s", job_id, type(exc).__name__)
+        log_job_event("failed", job, error=f"not enqueued: {type(exc).__name__}; not kept")
         svc.jobs.delete(job_id)
         # Redis may be what is down; the prune on the caller's next refusal frees
         # the slot, and the window forgets the request within a minute.
@@ -359,6 +365,9 @@ def cancel(job_id: str) -> CancelResult:
             job_id,
             [JobEvent(seq=seq, type="done", fields={"finish_reason": "cancelled", "text": ""})],
         )
+        cancelled = svc.jobs.get(job_id)
+        if cancelled is not None:
+            log_job_event("cancelled", cancelled, by="api")
         return "cancelled"
     job = svc.jobs.get(job_id)
     if job is not None and job.status == JobStatus.running.value:
@@ -380,6 +389,7 @@ def expire_if_due(job: Job) -> bool:
         return False
     seq = svc.events.next_seq(job.id)
     svc.events.append(job.id, [JobEvent(seq=seq, type="error", fields={"error": "expired"})])
+    log_job_event("failed", job, error="expired")
     return True
 
 

@@ -25,9 +25,9 @@ from api.errors import Forbidden
 from api.services import services
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-CORS_ALLOW_HEADERS = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID"
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, Idempotency-Key, Last-Event-ID, X-Request-ID"
 CORS_ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
-CORS_EXPOSE_HEADERS = "Retry-After, Location"
+CORS_EXPOSE_HEADERS = "Retry-After, Location, X-Request-ID"
 CORS_MAX_AGE_S = 600
 
 

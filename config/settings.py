@@ -521,6 +521,14 @@ class Settings(BaseModel):
         pattern=r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$",
         description="Log level of every Switchyard process.",
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description=(
+            "How every Switchyard process writes its log on stderr: 'text' lines, or 'json' "
+            "(one object a line: time, level, logger, message, and a job event's job_id, "
+            "model, worker, attempt and request_id as fields)."
+        ),
+    )
 
     @field_validator("database_url")
     @classmethod

@@ -55,6 +55,7 @@ _CREATED = frozenset(
         "deadline_at",
         "idempotency_key",
         "request_hash",
+        "request_id",
     }
 )
 """The columns :meth:`JobStore.create` writes; the rest are null until a worker fills them."""
@@ -80,6 +81,7 @@ class JobStore:
         deadline_at: datetime | None = None,
         idempotency_key: str | None = None,
         request_hash: str | None = None,
+        request_id: str | None = None,
     ) -> Job:
         """Insert a queued job.
 
@@ -99,6 +101,7 @@ class JobStore:
             deadline_at=deadline_at,
             idempotency_key=idempotency_key,
             request_hash=request_hash,
+            request_id=request_id,
         )
         values = {name: getattr(job, name) for name in _CREATED}
         try:

@@ -130,6 +130,9 @@ class Job(Base):
     # SHA-256 (hex) of the request an idempotency key was first used with: a
     # reuse of the key for another request is refused, not answered with this job.
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The X-Request-ID of the HTTP request that submitted the job (the client's
+    # or one the API made): every log line of the job carries it.
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class Chat(Base):

@@ -54,6 +54,7 @@ from db.schema import Job, utcnow
 from fleet.registry import last_beats, live_reports, prune_lost
 from tasks import metrics as m
 from tasks.events import EventLog, JobEvent
+from tasks.joblog import log_job_event
 from tasks.messages import BrokerView, send_generate
 from tasks.metrics import MetricsStore
 
@@ -172,7 +173,7 @@ class Reaper:
             batch = self.metrics.batch()
             batch.inc(m.JOBS_FINISHED, {**labels, "status": "failed"})
             batch.commit()
-            log.warning("job %s failed: %s (last on %s)", job.id, error, worker)
+            log_job_event("failed", job, worker=worker, error=error)
             return Recovery(job.id, job.model, "failed", error)
         if self.jobs.requeue(job.id, worker, count_attempt=True) is None:
             return None
@@ -185,7 +186,7 @@ class Reaper:
             send_generate(self.celery, job.id, job.model)
         except Exception as exc:  # the row is queued: the reconciler sends it later
             log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
-        log.warning("job %s re-queued: %s %s (attempt %d)", job.id, reason, worker, job.attempts)
+        log_job_event("retried", job, worker=worker, reason=reason)
         return Recovery(job.id, job.model, "requeued", f"{reason}: {worker}")
 
     def _append(self, job_id: str, kind: str, fields: dict[str, object]) -> None:
@@ -220,7 +221,7 @@ class Reaper:
                 batch = self.metrics.batch()
                 batch.inc(m.JOBS_RESENT, {"model": model})
                 batch.commit()
-                log.warning("job %s was queued with no broker message; sent again", job_id)
+                log_job_event("queued", job, reason="no message in the broker; sent again")
                 done.append(Recovery(job_id, model, "resent", "no message in the broker"))
         return done
 

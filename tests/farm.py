@@ -118,11 +118,26 @@ def settings_env(settings: Settings) -> dict[str, str]:
             "SWITCHYARD_MAX_ATTEMPTS": str(settings.max_attempts),
             "SWITCHYARD_RECONCILE_AFTER_S": str(settings.reconcile_after_s),
             "SWITCHYARD_WORKER_GRACE_S": str(settings.worker_grace_s),
+            "SWITCHYARD_LOG_FORMAT": settings.log_format,
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )
     return env
+
+
+def switchyard(
+    env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """The ``switchyard`` command with ``args`` in environment ``env``, run to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers", *args],
+        env=env,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class Process:

@@ -10,14 +10,15 @@ import argparse
 from datetime import datetime
 from typing import Any
 
-from config import load_settings
+from config import Settings
+from workers.steering import announce, command_settings
 
 
-def _accounts() -> Any:
+def _accounts(settings: Settings) -> Any:
     from db.accounts import Accounts
     from db.session import Database
 
-    return Accounts(Database(load_settings().database_url))
+    return Accounts(Database(settings.database_url))
 
 
 def _limit(value: str) -> int | None:
@@ -36,7 +37,7 @@ def _when(value: datetime | None) -> str:
 
 def _cmd_user_list(_: argparse.Namespace) -> int:
     print(f"{'NAME':24} {'ROLE':9} {'MAX JOBS':>8} {'REQ/MIN':>8}  CREATED")
-    for u in _accounts().list_users():
+    for u in _accounts(command_settings()).list_users():
         jobs = "role" if u.max_concurrent_jobs is None else str(u.max_concurrent_jobs)
         rpm = "role" if u.requests_per_minute is None else str(u.requests_per_minute)
         print(f"{u.name:24} {u.role:9} {jobs:>8} {rpm:>8}  {_when(u.created_at)}")
@@ -52,8 +53,9 @@ def _cmd_user_set(args: argparse.Namespace) -> int:
         changes["max_concurrent_jobs"] = _limit(args.max_concurrent_jobs)
     if args.requests_per_minute is not None:
         changes["requests_per_minute"] = _limit(args.requests_per_minute)
+    settings = command_settings()
     try:
-        user = _accounts().update_user(
+        user = _accounts(settings).update_user(
             args.name, role=Role(args.role) if args.role else None, **changes
         )
     except UnknownUser as exc:
@@ -64,6 +66,7 @@ def _cmd_user_set(args: argparse.Namespace) -> int:
         f", requests per minute "
         f"{user.requests_per_minute if user.requests_per_minute is not None else 'role default'}"
     )
+    announce(settings)
     return 0
 
 
@@ -75,7 +78,7 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
         f"{'ID':>5} {'USER':20} {'NAME':16} {'PREFIX':11} {'STATE':8} "
         f"{'EXPIRES':19} {'LAST USED':19}"
     )
-    for t in _accounts().list_tokens(args.user):
+    for t in _accounts(command_settings()).list_tokens(args.user):
         state = "revoked" if t.revoked_at else ("active" if t.active(now) else "expired")
         print(
             f"{t.id:>5} {t.user_name:20} {t.name or '-':16} {t.prefix:11} {state:8} "
@@ -85,13 +88,15 @@ def _cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_token_revoke(args: argparse.Namespace) -> int:
-    accounts = _accounts()
+    settings = command_settings()
+    accounts = _accounts(settings)
     if accounts.token_owner(args.id) is None:
         raise SystemExit(f"switchyard: no token {args.id}")
     if accounts.revoke(args.id):
         print(f"revoked token {args.id}")
     else:
         print(f"token {args.id} was already revoked")
+    announce(settings)
     return 0
 
 

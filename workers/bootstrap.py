@@ -146,6 +146,8 @@ def run_worker(settings: Settings, model: str) -> int:
         "--loglevel",
         settings.log_level,
     ]
+    if settings.log_format == "json":
+        argv.insert(0, "--quiet")  # no banner: every line of the log is an object
     try:
         app.worker_main(argv)
     finally:

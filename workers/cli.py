@@ -16,36 +16,31 @@ switchyard chat [--model M]        terminal chat with a running farm (client/)
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
-from config import CatalogError, Settings, SettingsError, load_catalog, load_settings
-
-
-def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        raise SystemExit(f"switchyard: bad setting {exc}") from None
+from config import CatalogError, load_catalog
+from config.logs import configure_logging
+from workers.steering import announce
+from workers.steering import command_settings as _settings
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.bootstrap import run_worker
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     return run_worker(settings, args.model or settings.default_model)
 
 
 def _cmd_migrate(_: argparse.Namespace) -> int:
     from db.migrate import upgrade
 
-    upgrade(_settings().database_url)
+    settings = _settings()
+    upgrade(settings.database_url)
     print("database is up to date")
+    announce(settings)
     return 0
 
 
@@ -54,11 +49,13 @@ def _cmd_user_add(args: argparse.Namespace) -> int:
     from db.schema import Role
     from db.session import Database
 
-    accounts = Accounts(Database(_settings().database_url))
+    settings = _settings()
+    accounts = Accounts(Database(settings.database_url))
     if accounts.user_id(args.name) is not None:
         raise SystemExit(f"switchyard: user {args.name!r} exists")
     accounts.add_user(args.name, Role(args.role))
     print(f"added {args.role} {args.name}")
+    announce(settings)
     return 0
 
 
@@ -66,16 +63,18 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     from db.accounts import Accounts
     from db.session import Database
 
-    accounts = Accounts(Database(_settings().database_url))
+    settings = _settings()
+    accounts = Accounts(Database(settings.database_url))
     if accounts.user_id(args.user) is None:
         raise SystemExit(f"switchyard: no user {args.user!r}")
-    days = _settings().token_ttl_days if args.days is None else args.days
+    days = settings.token_ttl_days if args.days is None else args.days
     expires = datetime.now(UTC) + timedelta(days=days) if days else None
     issued = accounts.issue_token(args.user, name=args.name, expires_at=expires)
     print(issued.secret)
     # On stderr: the secret alone stays on stdout for scripts that capture it.
     when = f"expires {expires:%Y-%m-%d %H:%M} UTC" if expires else "never expires"
     print(f"token {issued.token_id} for {args.user} {when}", file=sys.stderr)
+    announce(settings)
     return 0
 
 

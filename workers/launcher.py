@@ -8,6 +8,10 @@ folder unless ``DATABASE_URL`` is set; migrations are applied first. On the
 first start an admin user and token are created and the token is printed once.
 Ctrl-C (or SIGTERM) stops every child: SIGTERM, a grace period, then SIGKILL.
 
+While it runs, ``<state>/farm.json`` (0600) records the farm's settings
+(:mod:`config.farm_record`): ``switchyard`` commands typed in another
+terminal without ``DATABASE_URL``/``REDIS_URL`` steer this farm.
+
 On a shared machine: the state folder is made 0700 and everything the farm
 writes there is created private (umask 077: the SQLite file with every prompt
 and token hash is 0600); the embedded Redis listens on loopback with a
@@ -36,6 +40,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from config import Settings, load_settings
+from config.farm_record import describe_farm, forget_farm, read_farm, record_farm
+from config.logs import configure_logging
 from config.settings import PROJECT_ROOT
 from workers.executors.local import worker_command
 from workers.lifeline import die_with_parent
@@ -261,6 +267,17 @@ def wait_for_api(url: str, api: Child, timeout: float = 60) -> bool:
 
 def run_local(models: list[str] | None = None) -> int:
     settings = load_settings()
+    configure_logging(settings)  # the scaler's thread logs here
+    running = read_farm(settings.state_dir)
+    if running is not None and running.running():
+        print(
+            f"switchyard: a farm started from this state folder runs already (switchyard run, "
+            f"pid {running.pid}, API at {running.api_url}); stop it first, or set "
+            "SWITCHYARD_STATE_DIR to another folder",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     held = port_holder(settings.api_host, settings.api_port)
     if held is not None:
         print(f"switchyard: {held}", file=sys.stderr, flush=True)
@@ -297,6 +314,13 @@ def run_local(models: list[str] | None = None) -> int:
         upgrade(settings.database_url)
         make_private(settings)  # a database created before this version was 0644
         token = bootstrap_admin(settings)
+        base = f"http://{settings.api_host}:{settings.api_port}"
+        recorded = record_farm(settings.state_dir, env, api_url=base)
+        print(
+            f"switchyard: farm {describe_farm(settings)}; recorded in {recorded} for the "
+            "switchyard commands of other terminals",
+            flush=True,
+        )
 
         # SIGINT is gunicorn's quick shutdown: with the launcher gone nobody waits for it.
         api = Child("api", web_command(), env, death_signal=signal.SIGINT)
@@ -319,7 +343,6 @@ def run_local(models: list[str] | None = None) -> int:
             )
             scaler_thread.start()
             print("switchyard: scaler started (switchyard status shows it)", flush=True)
-        base = f"http://{settings.api_host}:{settings.api_port}"
         if not wait_for_api(base, api):
             print("switchyard: the API did not come up; see its log above", flush=True)
             return 1
@@ -359,4 +382,5 @@ def run_local(models: list[str] | None = None) -> int:
             scaler_stop.set()
             scaler_thread.join()
         stop_children(children)
+        forget_farm(settings.state_dir)
         print("switchyard: stopped", flush=True)

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from dataclasses import asdict
 from typing import Any
 
-from config import CatalogError, Settings, SettingsError, load_catalog, load_settings
-
-
-def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        raise SystemExit(f"switchyard: bad setting {exc}") from None
+from config import CatalogError, load_catalog
+from config.logs import configure_logging
+from workers.steering import announce
+from workers.steering import command_settings as _settings
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -115,9 +110,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     from tasks.events import EventLog
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     client = redis.Redis.from_url(settings.redis_url)
     db = Database(settings.database_url)
 
@@ -132,6 +125,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
             reaper.sweep()
             for r in reaper.last_sweep:
                 print(f"{r.action:9} {r.job_id}  {r.model}  {r.reason}")
+            announce(settings)
             return 0
         loop = ReaperLoop(settings, make)
 

@@ -67,6 +67,7 @@ from models.engine import (
 )
 from tasks import metrics as m
 from tasks.events import JobEvent, StreamedOutput, StreamTaken, usage
+from tasks.joblog import log_job_event
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,10 @@ def retry_redis(job_id: str, what: str, call: Callable[[], T]) -> T:
             log.warning("job %s: could not %s (%s); retrying", job_id, what, exc)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+def _seconds(start: datetime | None, end: datetime) -> float | None:
+    return round((end - start).total_seconds(), 4) if start is not None else None
 
 
 def sampling_params(definition: ModelDefinition, requested: dict[str, Any]) -> SamplingParams:
@@ -293,13 +298,19 @@ class JobRunner:
             log.info("job %s is not queued (duplicate delivery or cancelled); dropped", job_id)
             return
         if job.status == JobStatus.failed.value:  # the claim expired it: never started
-            log.info("job %s waited past its deadline; not started", job_id)
+            log_job_event("failed", job, worker=self.worker_id, error=job.error)
             stream = _Stream(self.events, job_id, self._next_seq(job_id))
             stream.emit("error", error=job.error)
             return
         self.last_job = job_id
         with self._lock:
             self._active.add(job_id)
+        log_job_event(
+            "started",
+            job,
+            worker=self.worker_id,
+            queue_wait_s=_seconds(job.created_at, job.started_at or datetime.now(UTC)),
+        )
         try:
             self._record_start(job)
             # Fence first, then read: an earlier attempt's late write is either
@@ -335,7 +346,7 @@ class JobRunner:
         job = self.jobs.get(job_id)
         if job is not None and job.status == JobStatus.queued.value and self.resend is not None:
             self.resend(job_id, job.model)
-            log.info("job %s arrived while draining; sent back to its queue", job_id)
+            log_job_event("queued", job, reason="arrived at a draining worker; sent back")
 
     def _record_start(self, job: Job) -> None:
         if self.metrics is None or job.started_at is None:
@@ -457,6 +468,9 @@ class JobRunner:
                 first = first_token_at is None and bool(event.text)
                 if first:
                     first_token_at = datetime.now(UTC)
+                    log_job_event(
+                        "first_token", job, ttft_s=_seconds(job.started_at, first_token_at)
+                    )
                 gap = None if last_token_t is None else now - last_token_t
                 if batch is not None and gap is not None:
                     # A chunk of n tokens after `gap` seconds: n tokens of gap/n each.
@@ -534,6 +548,14 @@ class JobRunner:
         started = job.started_at or datetime.now(UTC)
         finished = datetime.now(UTC)
         total_s = (finished - started).total_seconds()
+        log_job_event(
+            "cancelled" if status is JobStatus.cancelled else "finished",
+            job,
+            finish_reason=event.finish_reason,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            total_s=round(total_s, 4),
+        )
         if batch is not None:
             labels = {"model": job.model}
             batch.inc(m.JOBS_FINISHED, {**labels, "status": status.value})
@@ -615,6 +637,7 @@ class JobRunner:
             first_token_at=first_token_at,
         )
         if self._record_outcome(job, outcome):
+            log_job_event("failed", job, error=error)
             stream.emit("error", error=error)
             if self.metrics is not None:
                 batch = batch or self.metrics.batch()
@@ -630,6 +653,7 @@ class JobRunner:
         if self.jobs.requeue(job.id, self.worker_id, count_attempt=False) is None:
             log.info("job %s is no longer ours; not re-queued by the drain", job.id)
             return
+        log_job_event("retried", job, reason="worker draining")
         if self.metrics is not None:
             batch = self.metrics.batch()
             batch.inc(m.JOB_RESTARTS, {"model": job.model, "reason": "worker_draining"})

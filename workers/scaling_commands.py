@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import logging
 import signal
 import sys
 import threading
@@ -27,15 +26,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from config import Settings, SettingsError, load_catalog, load_settings
+from config import Settings, load_catalog
 from config.catalog import SCALING_TUNABLES
-
-
-def _settings() -> Settings:
-    try:
-        return load_settings()
-    except SettingsError as exc:
-        raise SystemExit(f"switchyard: bad setting {exc}") from None
+from config.farm_record import describe_farm
+from config.logs import configure_logging
+from workers.steering import announce
+from workers.steering import command_settings as _settings
 
 
 def _controls(settings: Settings) -> Any:
@@ -85,9 +81,7 @@ def _cmd_scaler(args: argparse.Namespace) -> int:
     from workers.scaler import Scaler
 
     settings = _settings()
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings)
     client = redis.Redis.from_url(settings.redis_url)
     db = Database(settings.database_url)
     try:
@@ -139,7 +133,8 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     from fleet.policy import PolicyError
     from fleet.schedule import ScheduleError, parse_duration
 
-    controls = _controls(_settings())
+    settings = _settings()
+    controls = _controls(settings)
     actor = _actor(args)
     changes = _policy_changes(args)
     try:
@@ -162,6 +157,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
             print(f"{args.model}: " + " ".join(f"{k}={v}" for k, v in effective.items()))
     except (UnknownModel, PolicyError, ScheduleError) as exc:
         return _fail(exc)
+    announce(settings)
     return 0
 
 
@@ -178,7 +174,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from fleet.controls import UnknownModel
     from fleet.schedule import ScheduleError
 
-    controls = _controls(_settings())
+    settings = _settings()
+    controls = _controls(settings)
     try:
         if args.action == "add":
             w = controls.add_window(
@@ -190,11 +187,13 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                 actor=_actor(args),
             )
             print(f"added window {w['id']} to {args.model}")
+            announce(settings)
         elif args.action == "remove":
             if not controls.remove_window(args.model, args.id, _actor(args)):
                 print(f"switchyard: {args.model} has no window {args.id}", file=sys.stderr)
                 return 1
             print(f"removed window {args.id} from {args.model}")
+            announce(settings)
         else:
             print(f"{'id':>4}  {'source':<10}  {'cron':<20}  {'timezone':<16}  min  max")
             for w in controls.windows(args.model):
@@ -205,10 +204,12 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    status = _controls(_settings()).status(decisions=args.decisions)
+    settings = _settings()
+    status = _controls(settings).status(decisions=args.decisions)
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
+    print(f"farm: {describe_farm(settings)}")
     print(f"scaler leader: {status['leader'] or 'none'}")
     print(
         f"{'model':<20} {'desired':>7} {'ready':>5} {'start':>5} {'drain':>5} "

@@ -7,6 +7,7 @@ process of the farm behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,10 @@ import redis
 import requests
 import yaml
 
-from config.settings import PROJECT_ROOT
+from config.farm_record import masked_url
+from config.settings import PROJECT_ROOT, with_postgres_driver
+from db.scaling import ScalingStore
+from db.session import Database
 from tests import farm
 
 # What the farm's processes may take to notice their parent's death and exit.
@@ -38,9 +43,14 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _start(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.Popen[str]:
+def _terminal_env() -> dict[str, str]:
+    """A new terminal's environment: no farm variables set."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    env = {k: v for k, v in env.items() if not k.startswith("SWITCHYARD_")}
+    return {k: v for k, v in env.items() if not k.startswith("SWITCHYARD_")}
+
+
+def _start(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.Popen[str]:
+    env = _terminal_env()
     env.update(
         SWITCHYARD_STATE_DIR=str(tmp_path / "state"),
         SWITCHYARD_API_PORT=str(farm.free_port()),
@@ -161,14 +171,18 @@ def _kill_and_check(
         requests.get(base + "/readyz", timeout=5)
 
 
-def _models_dir(tmp_path: Path) -> Path:
-    """The shipped catalog with tiny-random kept at one replica and smollm2-135m at none."""
+def _models_dir(tmp_path: Path, tiny_random_min: int = 1) -> Path:
+    """The shipped catalog with tiny-random kept at ``tiny_random_min`` to one replica and
+    smollm2-135m at none."""
     folder = tmp_path / "models"
     folder.mkdir()
     for path in (PROJECT_ROOT / "config" / "models").glob("*.yaml"):
         definition = yaml.safe_load(path.read_text())
-        replicas = 1 if definition["name"] == "tiny-random" else 0
-        definition["scaling"] = {"min_replicas": replicas, "max_replicas": replicas}
+        tiny = definition["name"] == "tiny-random"
+        definition["scaling"] = {
+            "min_replicas": tiny_random_min if tiny else 0,
+            "max_replicas": 1 if tiny else 0,
+        }
         (folder / path.name).write_text(yaml.safe_dump(definition))
     return folder
 
@@ -193,3 +207,64 @@ def test_no_process_outlives_the_launcher(
     out = _read_until(launched[0], r"Ctrl-C stops everything")
     base = re.search(r"API at (http://\S+)", out).group(1)  # type: ignore[union-attr]
     _kill_and_check(launched[0], base, term_first_s=term_first_s)
+
+
+def _command(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A ``switchyard`` command typed in another terminal, beside state folder ``state``."""
+    return farm.switchyard({**_terminal_env(), "SWITCHYARD_STATE_DIR": str(state)}, *args)
+
+
+def test_commands_of_another_terminal_steer_the_running_farm(
+    real_services: None, tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
+    """The issue's case: a farm started with DATABASE_URL and REDIS_URL, then
+    `switchyard scale` typed without them changes that farm, and says which."""
+    database = farm.database_of_its_own(farm.tests_database_url(), "steer")
+    farm.reset_database(database)
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    launched.append(
+        _start(
+            tmp_path,
+            DATABASE_URL=database,
+            REDIS_URL=farm.tests_redis_url(),
+            SWITCHYARD_REDIS_PREFIX=prefix,
+            SWITCHYARD_MODELS_DIR=str(_models_dir(tmp_path, tiny_random_min=0)),
+        )
+    )
+    launcher = launched[0]
+    out = _read_until(launcher, r"Ctrl-C stops everything")
+    state = tmp_path / "state"
+    record = state / "farm.json"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    assert f"recorded in {record}" in out
+    later: list[str] = []
+    assert launcher.stdout is not None
+    threading.Thread(target=later.extend, args=(launcher.stdout,), daemon=True).start()
+
+    def led() -> bool:
+        r = _command(state, "status", "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["leader"] is not None
+
+    farm.wait_for("the launcher's scaler to lead", led, timeout=60, every=0.5)
+    r = _command(state, "scale", "tiny-random", "0", "--for", "1h", "--as", "steer-test")
+    assert r.returncode == 0, r.stderr
+    assert "tiny-random: 0 replicas until" in r.stdout
+    assert f"farm {masked_url(with_postgres_driver(database))} " in r.stderr
+    assert f"prefix {prefix})" in r.stderr
+    assert "warning" not in r.stderr
+    db = Database(database)
+    try:
+        override = ScalingStore(db).override("tiny-random")
+        assert override is not None
+        assert override.manual_replicas == 0 and override.updated_by == "cli:steer-test"
+    finally:
+        db.dispose()
+    # A second launcher on the same state folder refuses to start.
+    second = _start(tmp_path)
+    assert second.wait(timeout=60) == 1
+    assert second.stdout is not None and "runs already" in second.stdout.read()
+
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 0, "".join(later[-40:])
+    assert not record.exists()

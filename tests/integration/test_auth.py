@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -13,7 +11,6 @@ import pytest
 import requests
 
 from config import Settings
-from config.settings import PROJECT_ROOT
 from db.accounts import Accounts
 from db.session import Database
 from tests import farm
@@ -197,14 +194,7 @@ def test_cli_manages_users_and_tokens(migrated: Settings, api_url: str) -> None:
     env = farm.settings_env(migrated)
 
     def cli(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "workers", *args],
-            env=env,
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = farm.switchyard(env, *args, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

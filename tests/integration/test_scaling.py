@@ -27,6 +27,7 @@ import requests
 import yaml
 
 from config import Settings, load_catalog
+from config.farm_record import describe_farm
 from config.settings import PROJECT_ROOT
 from db.scaling import ScalingStore
 from db.session import Database
@@ -504,14 +505,7 @@ def test_two_scalers_one_leads_the_other_takes_over(
 
 
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "workers", *args],
-        env=farm.settings_env(settings),
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return farm.switchyard(farm.settings_env(settings), *args)
 
 
 def test_scale_schedule_and_status_commands(migrated: Settings, tmp_path: Path) -> None:
@@ -522,6 +516,9 @@ def test_scale_schedule_and_status_commands(migrated: Settings, tmp_path: Path) 
     r = _cli(settings, "scale", model, "2", "--for", "2h", "--as", "alice")
     assert r.returncode == 0, r.stderr
     assert f"{model}: 2 replicas until" in r.stdout
+    # The change names the farm it went to, and no scaler runs for this prefix.
+    assert f"farm {describe_farm(settings)}" in r.stderr
+    assert "warning: no scaler leads this farm" in r.stderr
     view = controls_for(settings).view(model)
     assert view["manual"]["replicas"] == 2 and view["manual"]["by"] == "cli:alice"
     until = datetime.fromisoformat(view["manual"]["until"])
