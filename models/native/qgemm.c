@@ -203,7 +203,7 @@ int sy_qgemm(int kind, const float *x, int rows, int k, const void *weight, int 
     /* Outputs in tiles of 8 (each thread's weights stream once), rows in tiles of
        TILE_ROWS (each weight block unpacked once per tile). */
     const int tiles = (n + 7) / 8;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 4) /* as in sy_pgemm */
     for (int t = 0; t < tiles; t++) {
         int end = t * 8 + 8 < n ? t * 8 + 8 : n;
         for (int j = t * 8; j < end; j++) {
@@ -347,7 +347,11 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
             quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
-#pragma omp for schedule(static)
+        /* Handed out one pair of panels at a time: when the OS takes a core
+           from one thread (a worker shares the machine with the API, Redis and
+           other processes), the other takes over its share rather than the
+           step waiting for it at the end. */
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < pairs; t++) {
             const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
             for (int r0 = 0; r0 < rows; r0 += PR) {
@@ -427,7 +431,7 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
     const int group = heads / kv_heads;
     const size_t head_size = (size_t)length * hd, slot_size = 2 * (size_t)kv_heads * head_size;
     int failed = 0;
-#pragma omp parallel for schedule(static) if (rows * heads > 4)
+#pragma omp parallel for schedule(dynamic, 4) if (rows * heads > 4)
     for (int task = 0; task < rows * heads; task++) {
         const int r = task / heads, h = task % heads, g = h / group;
         const int n = (int)lengths[r];
