@@ -252,6 +252,8 @@ class LlamaRuntime:
         # qgemm.c too, where it loads and the residual stream is float32.
         self.ops = native.Ops(lib) if lib is not None and self.residual == torch.float32 else None
         self.freqs_pairs = torch.view_as_real(self.freqs).contiguous()  # [positions, hd / 2, 2]
+        # Decoding steps run every layer in one call where every weight is in panels.
+        self.native_layers = self.ops.layer_table(self.layers) if self.ops is not None else None
 
     def new_cache(self, slots: int, max_length: int) -> SlotCache:
         """An empty KV cache of ``slots`` sequences of up to ``max_length`` positions."""
@@ -271,6 +273,8 @@ class LlamaRuntime:
         Writes the keys and values of every token of the step into its slot
         at its position; the caller has made the cache long enough.
         """
+        if self.native_layers is not None and not step.chunks:
+            return self._forward_layers_native(step, cache)
         n_decode = len(step.decode_slots)
         tokens = step.token_ids.shape[0]
         device = self.device
@@ -321,13 +325,37 @@ class LlamaRuntime:
             attended = layer.o(out.reshape(tokens, h_q * hd))
             h = self._add_norm(x, attended, layer.norm2, layer.eps2)
             delta = layer.down(self._silu_mul(layer.gate_up(h)))
-        rows = torch.tensor(step.logit_rows, dtype=torch.long, device=device)
+        return self._logits(step, x, delta)
+
+    def _logits(self, step: StepInput, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The logits of ``step.logit_rows``: the last layer's ``delta`` added to those rows
+        of ``x`` only, the final norm, the output layer."""
+        rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
         if delta is not None:
-            x.index_add_(
-                0, rows, delta.index_select(0, rows).to(x.dtype)
-            )  # only the rows read below
+            x.index_add_(0, rows, delta.index_select(0, rows).to(x.dtype))
         last = F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.norm_eps)
         return self.lm_head(last).float()
+
+    def _forward_layers_native(self, step: StepInput, cache: SlotCache) -> torch.Tensor:
+        """A step of decoding rows only, every layer in one call to ``qgemm.c``
+        (:meth:`models.native.Ops.decode_layers`): the same kernels in the same order
+        as :meth:`forward`'s loop, without Python between them."""
+        assert self.ops is not None and self.native_layers is not None
+        x = self.embed.index_select(0, step.token_ids)
+        delta = torch.empty_like(x)
+        self.ops.decode_layers(
+            self.native_layers,
+            cache.kv,
+            x,
+            delta,
+            torch.tensor(step.decode_slots, dtype=torch.long),
+            step.positions,
+            self.heads,
+            self.kv_heads,
+            self.freqs_pairs,
+            self.scale,
+        )
+        return self._logits(step, x, delta)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -25,7 +25,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,41 +134,52 @@ def _build(cc: str, folder: Path, target: Path) -> None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    for name in ("sy_qgemm",):
-        getattr(lib, name).argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        getattr(lib, name).restype = ctypes.c_int
-    lib.sy_pgemm.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
-    lib.sy_pgemm.restype = ctypes.c_int
-    for name in ("sy_block_q4_1_size", "sy_block_q8_0_size", "sy_avx2", "sy_panels"):
-        getattr(lib, name).argtypes = []
-        getattr(lib, name).restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.sy_add_rms_norm.argtypes = [p, p, i, i, p, f, p]
-    lib.sy_add_rms_norm.restype = None
-    lib.sy_silu_mul.argtypes = [p, i, i, p]
-    lib.sy_silu_mul.restype = None
-    lib.sy_decode_attention.argtypes = [p, i, i, i, i, i, p, i, p, p, f, p]
-    lib.sy_decode_attention.restype = ctypes.c_int
-    lib.sy_rope_store.argtypes = [p, i, i, i, i, i, p, p, p, p, i]
-    lib.sy_rope_store.restype = None
+    signatures: dict[str, tuple[list[Any], Any]] = {
+        "sy_qgemm": ([i, p, i, i, p, i, p], i),
+        "sy_pgemm": ([i, p, i, i, p, p, p, i, p], i),
+        "sy_decode_layers": ([p, i, p, p, i, i, i, i, i, i, p, p, p, p, i, f], i),
+        "sy_add_rms_norm": ([p, p, i, i, p, f, p], None),
+        "sy_silu_mul": ([p, i, i, p], None),
+        "sy_decode_attention": ([p, i, i, i, i, i, p, i, p, p, f, p], i),
+        "sy_rope_store": ([p, i, i, i, i, i, p, p, p, p, i], None),
+    }
+    for name in ("sy_block_q4_1_size", "sy_block_q8_0_size", "sy_avx2", "sy_panels"):
+        signatures[name] = ([], i)
+    signatures["sy_layer_size"] = ([], i)
+    for name, (args, result) in signatures.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = result
+
+
+class Matrix(ctypes.Structure):
+    """``sy_matrix``: a weight in panels (``models.quant.NativeLinear`` with ``panels``)."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("kind", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """``sy_layer``: one decoder layer's weights and its slice of the KV cache."""
+
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("qkv_bias", ctypes.c_void_p),
+        ("qkv", Matrix),
+        ("o", Matrix),
+        ("gate_up", Matrix),
+        ("down", Matrix),
+        ("kv", ctypes.c_void_p),
+    ]
 
 
 class Ops:
@@ -273,3 +286,75 @@ class Ops:
         if status:
             raise MemoryError("decode attention: out of memory")
         return out
+
+    def layer_table(self, layers: Sequence[Any]) -> ctypes.Array[Layer] | None:
+        """``layers`` (``models.llama``'s, float32) as ``sy_decode_layers`` takes them, or
+        ``None`` unless every linear layer is a ``NativeLinear`` in panels. The
+        table points into the layers' tensors: it lives as long as they do."""
+        table = (Layer * len(layers))()
+        for entry, layer in zip(table, layers, strict=True):
+            for name in ("qkv", "o", "gate_up", "down"):
+                linear = getattr(layer, name)
+                if not getattr(linear, "panels", False):
+                    return None
+                setattr(
+                    entry,
+                    name,
+                    Matrix(
+                        linear.codes.data_ptr(),
+                        linear.d.data_ptr(),
+                        linear.m.data_ptr(),
+                        linear.kind,
+                        linear.out_features,
+                        linear.in_features,
+                    ),
+                )
+            entry.norm1, entry.norm2 = layer.norm1.data_ptr(), layer.norm2.data_ptr()
+            entry.eps1, entry.eps2 = layer.eps1, layer.eps2
+            entry.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+        return table
+
+    def decode_layers(
+        self,
+        table: ctypes.Array[Layer],
+        kv: Sequence[torch.Tensor],
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        freqs: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Every layer of a step of decoding rows (one token per row, in ``slots`` at
+        ``positions``): ``x`` (``[rows, hidden]``, float32, contiguous) updated in
+        place, ``delta`` set to the last layer's MLP output (not added to ``x``).
+        ``kv`` is the cache's tensor per layer (``[slots, 2 * kv_heads, length, hd]``)."""
+        rows, hidden = x.shape
+        hd = kv[0].shape[-1]
+        for entry, layer_kv in zip(table, kv, strict=True):
+            entry.kv = layer_kv.data_ptr()  # the cache may have grown since the last step
+        positions = positions.to(torch.int64).contiguous()  # held: see add_rms_norm
+        lengths = positions + 1
+        slots = slots.to(torch.int64).contiguous()
+        status = self.lib.sy_decode_layers(
+            ctypes.addressof(table),
+            len(table),
+            x.data_ptr(),
+            delta.data_ptr(),
+            rows,
+            hidden,
+            heads,
+            kv_heads,
+            hd,
+            table[0].gate_up.n // 2,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            lengths.data_ptr(),
+            freqs.data_ptr(),
+            kv[0].shape[2],
+            scale,
+        )
+        if status:
+            raise MemoryError("decode layers: out of memory")

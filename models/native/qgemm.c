@@ -497,3 +497,67 @@ void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads
         }
     }
 }
+
+/* -- a whole decoding step's layers in one call -------------------------------- */
+
+typedef struct {
+    const uint8_t *codes; /* panels (sy_pgemm) */
+    const uint16_t *d, *m;
+    int kind, n, k;
+} sy_matrix;
+
+typedef struct {
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    const float *qkv_bias; /* NULL: none */
+    sy_matrix qkv, o, gate_up, down;
+    float *kv; /* this layer's cache, [slots, 2 * kv_heads, length, hd] */
+} sy_layer;
+
+int sy_layer_size(void) { return (int)sizeof(sy_layer); }
+
+static int matmul(const sy_matrix *w, const float *x, int rows, float *y) {
+    return sy_pgemm(w->kind, x, rows, w->k, w->codes, w->d, w->m, w->n, y);
+}
+
+/*
+ * Every layer of a step of decoding rows only (one token each, in slot slots[r]
+ * at position positions[r], attending positions 0 .. lengths[r] - 1): the same
+ * calls, in the same order, as LlamaRuntime.forward makes one by one, without
+ * a trip through Python between them. x [rows, hidden] is the residual stream,
+ * updated in place; delta [rows, hidden] receives the last layer's MLP output,
+ * not yet added to x (as forward leaves it). Returns 0, -1 if out of memory,
+ * -2 without panels.
+ */
+int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
+                     int hidden, int heads, int kv_heads, int hd, int inter,
+                     const int64_t *positions, const int64_t *slots, const int64_t *lengths,
+                     const float *freqs, int length, float scale) {
+    const int width = (heads + 2 * kv_heads) * hd;
+    float *h = malloc(sizeof(float) * (size_t)rows * hidden);
+    float *qkv = malloc(sizeof(float) * (size_t)rows * width);
+    float *attn = malloc(sizeof(float) * (size_t)rows * heads * hd);
+    float *out = malloc(sizeof(float) * (size_t)rows * hidden);
+    float *gate_up = malloc(sizeof(float) * (size_t)rows * 2 * inter);
+    float *act = malloc(sizeof(float) * (size_t)rows * inter);
+    int status = h && qkv && attn && out && gate_up && act ? 0 : -1;
+    for (int l = 0; l < n_layers && !status; l++) {
+        const sy_layer *L = layers + l;
+        sy_add_rms_norm(x, l ? delta : NULL, rows, hidden, L->norm1, L->eps1, h);
+        if ((status = matmul(&L->qkv, h, rows, qkv))) break;
+        if (L->qkv_bias)
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < width; i++) qkv[(size_t)r * width + i] += L->qkv_bias[i];
+        sy_rope_store(qkv, rows, width, heads, kv_heads, hd, positions, slots, freqs, L->kv, length);
+        if ((status = sy_decode_attention(qkv, rows, width, heads, kv_heads, hd, L->kv, length,
+                                          slots, lengths, scale, attn)))
+            break;
+        if ((status = matmul(&L->o, attn, rows, out))) break;
+        sy_add_rms_norm(x, out, rows, hidden, L->norm2, L->eps2, h);
+        if ((status = matmul(&L->gate_up, h, rows, gate_up))) break;
+        sy_silu_mul(gate_up, rows, inter, act);
+        status = matmul(&L->down, act, rows, delta);
+    }
+    free(h), free(qkv), free(attn), free(out), free(gate_up), free(act);
+    return status;
+}

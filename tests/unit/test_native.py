@@ -157,6 +157,14 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
         together = decode([3, 1, 0, 2])
         for row, slot in enumerate([3, 1, 0, 2]):
             assert torch.equal(decode([slot])[0], together[row])
+        if runtime.native_layers is not None:
+            # Every layer in one call (panels): the same bits as layer by layer.
+            fused = runtime.native_layers
+            runtime.native_layers = None
+            try:
+                assert torch.equal(decode([3, 1, 0, 2]), together)
+            finally:
+                runtime.native_layers = fused
 
 
 def test_without_a_compiler_the_runtime_keeps_pytorchs_int4_kernel(
