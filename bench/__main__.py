@@ -2,6 +2,10 @@
 
 import sys
 
-from bench.farm import main
+from workers.openmp import spin_briefly
+
+spin_briefly()  # the engine's and the worker's OpenMP wait alike (before torch loads)
+
+from bench.farm import main  # noqa: E402
 
 sys.exit(main())

@@ -246,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from workers.openmp import spin_briefly
+
+    spin_briefly()  # as a worker does (before torch loads)
     import torch
 
     from config import load_catalog, load_settings

@@ -1,5 +1,9 @@
 import sys
 
-from workers.cli import main
+from workers.openmp import spin_briefly
+
+spin_briefly()  # before torch loads libgomp
+
+from workers.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -1,0 +1,44 @@
+"""Workers shorten OpenMP's spinning unless the environment chose a policy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workers.openmp import SPIN_COUNT, spin_briefly
+
+
+def test_sets_the_spin_count_only_where_no_policy_was_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    spin_briefly()
+    assert os.environ["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    spin_briefly()
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    spin_briefly()
+    assert os.environ["GOMP_SPINCOUNT"] == "5"
+
+
+def test_a_worker_process_sets_it_before_torch_is_imported() -> None:
+    """``python -m workers`` sets it first: torch is not yet loaded when it does."""
+    code = (
+        "import runpy, sys; sys.argv = ['workers', '--help'];"
+        "import workers.openmp as o; before = o.spin_briefly;"
+        "calls = [];"
+        "o.spin_briefly = lambda: calls.append('torch' in sys.modules) or before();"
+        "\ntry:\n    runpy.run_module('workers', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(calls)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env.pop("OMP_WAIT_POLICY", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip().splitlines()[-1] == "[False]", out.stdout + out.stderr
