@@ -334,6 +334,16 @@ class Settings(BaseModel):
         le=300,
         description="Seconds between two scaler ticks (a wake-up from the API ticks at once).",
     )
+    history_retention_s: int = Field(
+        default=7 * 86_400,
+        ge=0,
+        le=366 * 86_400,
+        description=(
+            "Seconds the farm keeps its history (per-model one-minute rollups, scaling "
+            "decisions, job recoveries); the scaler leader prunes older rows. 0: no history "
+            "is recorded."
+        ),
+    )
     scaler_lock_ttl_s: float = Field(
         default=15.0,
         gt=0,
