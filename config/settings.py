@@ -334,6 +334,14 @@ class Settings(BaseModel):
         le=300,
         description="Seconds between two scaler ticks (a wake-up from the API ticks at once).",
     )
+    task_events: bool = Field(
+        default=True,
+        description=(
+            "Workers send Celery's task events and event heartbeats, and the API its "
+            "task-sent events, so Flower (or `celery events`) on the same broker sees the "
+            "workers and their jobs; off: none are sent."
+        ),
+    )
     history_retention_s: int = Field(
         default=7 * 86_400,
         ge=0,
