@@ -16,6 +16,7 @@ from api import (
     catalog,
     chats,
     health,
+    history,
     jobs,
     metrics,
     multiplex,
@@ -110,6 +111,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     for blueprint in (openai.bp, tgi.bp, multiplex.bp, tokenizer.bp, admin.bp, openapi.bp):
         app.register_blueprint(blueprint)
     app.register_blueprint(scaling.bp)
+    app.register_blueprint(history.bp)
     app.register_blueprint(web.bp)
     metrics.init_app(app)
     operations.init_app(app, app.extensions[EXTENSION])

@@ -334,6 +334,24 @@ class Settings(BaseModel):
         le=300,
         description="Seconds between two scaler ticks (a wake-up from the API ticks at once).",
     )
+    task_events: bool = Field(
+        default=True,
+        description=(
+            "Workers send Celery's task events and event heartbeats, and the API its "
+            "task-sent events, so Flower (or `celery events`) on the same broker sees the "
+            "workers and their jobs; off: none are sent."
+        ),
+    )
+    history_retention_s: int = Field(
+        default=7 * 86_400,
+        ge=0,
+        le=366 * 86_400,
+        description=(
+            "Seconds the farm keeps its history (per-model one-minute rollups, scaling "
+            "decisions, job recoveries); the scaler leader prunes older rows. 0: no history "
+            "is recorded."
+        ),
+    )
     scaler_lock_ttl_s: float = Field(
         default=15.0,
         gt=0,

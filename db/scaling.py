@@ -186,11 +186,22 @@ class ScalingStore:
                 )
             )
 
-    def decisions(self, model: str | None = None, limit: int = 20) -> list[DecisionRecord]:
-        """The newest decisions first."""
+    def decisions(
+        self,
+        model: str | None = None,
+        limit: int = 20,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+    ) -> list[DecisionRecord]:
+        """The newest decisions first (those made in ``[start, end)`` when given)."""
         query = select(ScalingDecision).order_by(ScalingDecision.id.desc()).limit(limit)
         if model is not None:
             query = query.where(ScalingDecision.model == model)
+        if start is not None:
+            query = query.where(ScalingDecision.at >= start)
+        if end is not None:
+            query = query.where(ScalingDecision.at < end)
         with self.db.session() as s:
             return [
                 DecisionRecord(
@@ -208,11 +219,22 @@ class ScalingStore:
                 for r in s.scalars(query)
             ]
 
-    def audit(self, model: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """The newest audit entries first."""
+    def audit(
+        self,
+        model: str | None = None,
+        limit: int = 50,
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+    ) -> list[dict[str, Any]]:
+        """The newest audit entries first (those made in ``[start, end)`` when given)."""
         query = select(ScalingAudit).order_by(ScalingAudit.id.desc()).limit(limit)
         if model is not None:
             query = query.where(ScalingAudit.model == model)
+        if start is not None:
+            query = query.where(ScalingAudit.at >= start)
+        if end is not None:
+            query = query.where(ScalingAudit.at < end)
         with self.db.session() as s:
             return [
                 {

@@ -100,7 +100,12 @@ class Job(Base):
     """One generation request and, once final, its result."""
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_model_status", "model", "status"),)
+    __table_args__ = (
+        Index("ix_jobs_model_status", "model", "status"),
+        # The history's rollups read the jobs that started or finished lately.
+        Index("ix_jobs_started_at", "started_at"),
+        Index("ix_jobs_finished_at", "finished_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     user_id: Mapped[int | None] = mapped_column(
@@ -216,6 +221,52 @@ class ScalingDecision(Base):
     running: Mapped[int] = mapped_column(Integer, default=0)
     ready: Mapped[int] = mapped_column(Integer, default=0)
     scaler: Mapped[str] = mapped_column(String(255), default="")
+
+
+class HistoryMinute(Base):
+    """One model's farm state over one minute, as the scaler leader sampled it.
+
+    The gauges (queue depth, running, replicas, tokens/s) come from the
+    scaler's ticks within the minute: ``queue_depth`` and ``running`` are the
+    highest seen, the replica counts the last, ``tokens_per_s`` the mean. The
+    job figures come from the jobs table: queue waits of the jobs that started
+    in the minute, times to first token and errors of those that finished in it.
+    """
+
+    __tablename__ = "history_minutes"
+    __table_args__ = (Index("ix_history_minutes_minute", "minute"),)
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    minute: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    queue_depth: Mapped[int] = mapped_column(Integer, default=0)
+    running: Mapped[int] = mapped_column(Integer, default=0)
+    desired: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ready: Mapped[int] = mapped_column(Integer, default=0)
+    starting: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
+    jobs_started: Mapped[int] = mapped_column(Integer, default=0)
+    jobs_finished: Mapped[int] = mapped_column(Integer, default=0)
+    errors: Mapped[int] = mapped_column(Integer, default=0)
+    ttft_p50_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ttft_p95_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    queue_wait_p50_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    queue_wait_p95_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class JobRecovery(Base):
+    """A job the reaper re-queued, failed or sent again, and why."""
+
+    __tablename__ = "job_recoveries"
+    __table_args__ = (Index("ix_job_recoveries_at", "at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    job_id: Mapped[str] = mapped_column(String(36))
+    model: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
 
 class ScalingAudit(Base):

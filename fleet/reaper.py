@@ -49,6 +49,7 @@ from celery import Celery
 from sqlalchemy import exc as sa_exc
 
 from config import Settings
+from db.history import HistoryStore
 from db.jobs import JobStore
 from db.schema import Job, utcnow
 from fleet.registry import last_beats, live_reports, prune_lost
@@ -92,6 +93,7 @@ class Reaper:
         self.celery = celery
         self.broker = BrokerView(client)
         self.metrics = MetricsStore(client, settings)
+        self.history = HistoryStore(jobs.db)
         # Worker id → when this reaper first saw it without a heartbeat (monotonic).
         self._missing_since: dict[str, float] = {}
         # (job id, attempt) → when this reaper first saw its live worker not list it.
@@ -174,7 +176,7 @@ class Reaper:
             batch.inc(m.JOBS_FINISHED, {**labels, "status": "failed"})
             batch.commit()
             log_job_event("failed", job, worker=worker, error=error)
-            return Recovery(job.id, job.model, "failed", error)
+            return self._recorded(Recovery(job.id, job.model, "failed", error), worker)
         if self.jobs.requeue(job.id, worker, count_attempt=True) is None:
             return None
         # No event here: the next attempt continues the stream and says so
@@ -187,7 +189,23 @@ class Reaper:
         except Exception as exc:  # the row is queued: the reconciler sends it later
             log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
         log_job_event("retried", job, worker=worker, reason=reason)
-        return Recovery(job.id, job.model, "requeued", f"{reason}: {worker}")
+        return self._recorded(Recovery(job.id, job.model, "requeued", reason), worker)
+
+    def _recorded(self, recovery: Recovery, worker: str | None) -> Recovery:
+        """Write ``recovery`` into the farm's history (a failure there is only logged)."""
+        if self.settings.history_retention_s > 0:
+            try:
+                self.history.record_recovery(
+                    utcnow(),
+                    recovery.job_id,
+                    recovery.model,
+                    recovery.action,
+                    recovery.reason,
+                    worker,
+                )
+            except sa_exc.SQLAlchemyError as exc:
+                log.warning("job %s: recovery not in the history: %s", recovery.job_id, exc)
+        return recovery
 
     def _append(self, job_id: str, kind: str, fields: dict[str, object]) -> None:
         # Only the winner of the conditional UPDATE gets here, and the lost
@@ -222,7 +240,8 @@ class Reaper:
                 batch.inc(m.JOBS_RESENT, {"model": model})
                 batch.commit()
                 log_job_event("queued", job, reason="no message in the broker; sent again")
-                done.append(Recovery(job_id, model, "resent", "no message in the broker"))
+                resent = Recovery(job_id, model, "resent", "no message in the broker")
+                done.append(self._recorded(resent, None))
         return done
 
     # -- the registry -----------------------------------------------------------------

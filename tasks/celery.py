@@ -43,8 +43,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_default_queue": "switchyard.default",
         "worker_prefetch_multiplier": 1,
         "worker_hijack_root_logger": False,
-        "worker_send_task_events": False,
-        "task_send_sent_event": False,
+        # Flower and `celery events` read these (SWITCHYARD_TASK_EVENTS).
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
         "broker_heartbeat": 0,
         "timezone": "UTC",
     }

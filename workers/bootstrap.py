@@ -142,10 +142,12 @@ def run_worker(settings: Settings, model: str) -> int:
         f"{model}@{socket.gethostname()}-{os.getpid()}",
         "--without-gossip",
         "--without-mingle",
-        "--without-heartbeat",
         "--loglevel",
         settings.log_level,
     ]
+    if not settings.task_events:
+        # Celery's event heartbeats (what Flower shows as online) only matter with events.
+        argv.append("--without-heartbeat")
     if settings.log_format == "json":
         argv.insert(0, "--quiet")  # no banner: every line of the log is an object
     try:

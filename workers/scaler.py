@@ -13,7 +13,8 @@ Every ``scaler_interval_s`` the leader, for each model of the catalog:
 * publishes it in the Redis hash ``<prefix>:scaling:desired`` (read by
   ``/v1/models``, ``switchyard status`` and the admin API), records it in the
   ``scaling_decisions`` table when it changed, and logs why;
-* hands it to the executor.
+* hands it to the executor;
+* folds what it saw into the farm's one-minute history (``fleet.history``).
 
 The API pushes a model's name onto the list ``<prefix>:scaler:wake`` when it
 enqueues a job for a model whose desired count is zero (or unknown); the
@@ -40,12 +41,14 @@ from typing import Any
 import redis
 
 from config import Catalog, Settings
+from db.history import GaugeSample, HistoryStore
 from db.jobs import JobStore
 from db.overrides import ModelOverrides
 from db.overrides import apply as apply_override
 from db.scaling import DecisionRecord, ScalingStore
 from db.schema import ScalingWindow, utcnow
 from db.session import Database
+from fleet.history import HistoryRecorder
 from fleet.policy import (
     Decision,
     Observation,
@@ -100,6 +103,7 @@ class Scaler:
         self.reaper = reaper
         self.clock = clock
         self.state = ScalerState(client, settings)
+        self.history = HistoryRecorder(settings, HistoryStore(db))
         self.lock = LeaderLock(client, self.state.lock_key, settings.scaler_lock_ttl_s, self.id)
         self.leading = False
 
@@ -114,9 +118,12 @@ class Scaler:
         counts = self.jobs.active_counts()
         ready: Counter[str] = Counter()
         starting: Counter[str] = Counter()
+        tokens_per_s: dict[str, float] = {}
         for w in list_workers(self.redis, self.settings):
             if w["lost"]:
                 continue
+            rate = float(w.get("tokens_per_s") or 0.0)
+            tokens_per_s[w["model"]] = tokens_per_s.get(w["model"], 0.0) + rate
             if w["state"] == "ready":
                 ready[w["model"]] += 1
             elif w["state"] == "starting":
@@ -190,6 +197,7 @@ class Scaler:
                 log.debug("%s: %d replicas (%s)", model, decision.desired, decision.detail)
         self.state.remember({m: d.memory for m, d in decisions.items()})
         bound = self.settings.max_replicas_per_model
+        samples: dict[str, GaugeSample] = {}
         for model, decision in decisions.items():
             desired = decision.desired
             if desired > bound:  # a model definition's max_replicas above the farm's ceiling
@@ -200,10 +208,23 @@ class Scaler:
                     bound,
                 )
                 desired = bound
+            c = counts.get(model, {"queued": 0, "running": 0})
+            samples[model] = GaugeSample(
+                queue_depth=c["queued"],
+                running=c["running"],
+                desired=desired,
+                ready=ready[model],
+                starting=starting[model],
+                tokens_per_s=tokens_per_s.get(model, 0.0),
+            )
             try:
                 self.executor.apply(model, desired)
             except ExecutorError as exc:
                 log.error("%s: %s; retrying next tick", model, exc)
+        try:
+            self.history.record(now, samples)
+        except Exception:  # the history failing must not stop scaling
+            log.exception("history not recorded")
         return Tick(now, decisions)
 
     def run(self, stop: threading.Event) -> None:
