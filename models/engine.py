@@ -244,6 +244,13 @@ class Engine:
     tokens of one forward pass (decoding rows plus prefill chunks). Call
     :meth:`start` once, then :meth:`submit` from any thread; :meth:`stop` ends
     the loop.
+
+    With ``prefix_caching`` a slot keeps the keys and values of the sequence
+    that last used it, and a new request takes the free slot whose tokens share
+    the longest prefix with its own: it prefills only the rest (a chat's
+    earlier turns, a shared system prompt). Otherwise the free slot freed
+    longest ago. A seeded request resumed from an earlier attempt always
+    prefills in full (its replay must be the uninterrupted run's to the bit).
     """
 
     def __init__(
@@ -254,6 +261,7 @@ class Engine:
         max_input_tokens: int,
         max_new_tokens: int | None = None,
         max_step_tokens: int | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -280,6 +288,14 @@ class Engine:
         # cause, so they are prefilled one per step until each passes or fails alone.
         self._suspects: set[_Sequence] = set()
         self._batch_cap = max_batch_size  # lowered after an out-of-memory error
+        self.prefix_caching = prefix_caching
+        # Per slot: the tokens whose keys and values it holds at positions 0..n-1
+        # while free, and when it was freed (the slot freed longest ago goes first).
+        self._held: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self._held_epoch = 0  # the cache's epoch they were held in
+        self._freed_at = [0] * max_batch_size
+        self._leaves = 0
+        self.reused_tokens = 0  # prompt tokens not prefilled again, since the start
         self._steps_at_cap = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -536,7 +552,10 @@ class Engine:
         """Give waiting requests free slots, oldest first (their prefill runs in steps)."""
         with self._lock:
             used = {seq.slot for seq in self._running}
-            free = (slot for slot in range(self.max_batch_size) if slot not in used)
+            free = [slot for slot in range(self.max_batch_size) if slot not in used]
+            if self._held_epoch != self._cache.epoch:  # the cache was released
+                self._held = [[] for _ in range(self.max_batch_size)]
+                self._held_epoch = self._cache.epoch
             while self._waiting and len(self._running) < self._batch_cap and not self._stopping:
                 seq = self._waiting[0]
                 if seq.cancelled:
@@ -544,9 +563,28 @@ class Engine:
                     self._finish(seq, "cancelled")
                     continue
                 self._waiting.popleft()
-                seq.slot = next(free)
-                seq.computed = 0
+                seq.slot, seq.computed = self._pick_slot(free, seq)
+                free.remove(seq.slot)
+                self._held[seq.slot] = []  # its positions are the new sequence's from now on
+                self.reused_tokens += seq.computed
                 self._running.append(seq)
+
+    def _pick_slot(self, free: list[int], seq: _Sequence) -> tuple[int, int]:
+        """A free slot for ``seq`` and how many of its first tokens that slot already holds."""
+        slot = min(free, key=lambda s: self._freed_at[s])
+        if not self.prefix_caching or seq.replay:
+            return slot, 0
+        ids, reuse = seq.all_ids(), 0
+        for candidate in free:
+            held = self._held[candidate]
+            n = 0
+            for a, b in zip(ids, held, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > reuse:
+                slot, reuse = candidate, n
+        return slot, min(reuse, len(ids) - 1)  # the last token runs: its logits are needed
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancelled]:
@@ -558,6 +596,12 @@ class Engine:
         with self._lock:
             if seq in self._running:
                 self._running.remove(seq)
+            if seq.slot is not None:
+                # Positions 0..computed-1 hold its tokens (a failed step writes
+                # only at or after computed, which it did not advance).
+                self._held[seq.slot] = seq.all_ids()[: seq.computed]
+                self._leaves += 1
+                self._freed_at[seq.slot] = self._leaves
             seq.slot = None
 
     def _plan(self) -> _Plan:

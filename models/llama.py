@@ -115,6 +115,7 @@ class SlotCache:
         self.max_length = max_length
         self.length = 0
         self.kv: list[torch.Tensor] = []
+        self.epoch = 0
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.kv[layer][:, : self.kv_heads]
@@ -142,8 +143,10 @@ class SlotCache:
         self.kv, self.length = kv, new
 
     def release(self) -> None:
-        """Drop every tensor (after an out-of-memory error); :meth:`ensure` reallocates."""
+        """Drop every tensor (after an out-of-memory error); :meth:`ensure` reallocates.
+        ``epoch`` counts the releases: what a slot held before is gone."""
         self.kv, self.length = [], 0
+        self.epoch += 1
 
 
 class _Layer:

@@ -64,8 +64,18 @@ def make_engine(tiny: LoadedModel) -> Iterator[Callable[..., Engine]]:
 
     engines: list[Engine] = []
 
-    def make(max_batch_size: int = 8, max_input_tokens: int = 512, start: bool = True) -> Engine:
-        engine = Engine(tiny, max_batch_size=max_batch_size, max_input_tokens=max_input_tokens)
+    def make(
+        max_batch_size: int = 8,
+        max_input_tokens: int = 512,
+        start: bool = True,
+        prefix_caching: bool = True,
+    ) -> Engine:
+        engine = Engine(
+            tiny,
+            max_batch_size=max_batch_size,
+            max_input_tokens=max_input_tokens,
+            prefix_caching=prefix_caching,
+        )
         if start:
             engine.start()
         engines.append(engine)

@@ -624,6 +624,46 @@ def test_out_of_memory_growing_the_cache_puts_requests_back_and_every_request_fi
     assert engine._batch_cap < 4 or engine.busy_slots == 0
 
 
+# -- prefix caching ----------------------------------------------------------------------
+
+
+def test_a_prompt_sharing_a_prefix_with_a_finished_one_prefills_only_the_rest(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat's next turn reuses the keys and values its slot still holds, and answers
+    as an engine that prefilled everything."""
+    first = [{"role": "user", "content": "Tell me a story about cats and dogs"}]
+    cold = make_engine(max_batch_size=2, prefix_caching=False)
+    warm = make_engine(max_batch_size=2)
+    answer = warm.generate(GenerationRequest("t1", warm.encode_chat(first), GREEDY)).text
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    ids = warm.encode_chat(second)
+    prefilled: list[int] = []
+    original = warm.runtime.forward
+
+    def forward(step: StepInput, cache: Any) -> torch.Tensor:
+        prefilled.extend(c.length for c in step.chunks)
+        return original(step, cache)
+
+    monkeypatch.setattr(warm.runtime, "forward", forward)
+    got = warm.generate(GenerationRequest("t2", ids, GREEDY))
+    shared = len(warm.encode_chat(first))  # at least the first turn's prompt
+    assert warm.reused_tokens >= shared
+    assert sum(prefilled) <= len(ids) - shared
+    assert got.text == cold.generate(GenerationRequest("t2", ids, GREEDY)).text
+    assert got.prompt_tokens == len(ids)
+    assert cold.reused_tokens == 0
+
+
+def test_a_prompt_equal_to_a_held_one_still_runs_its_last_token(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_batch_size=1)
+    ids = prompts(engine, 2)[1]
+    before = engine.generate(GenerationRequest("a", ids, GREEDY)).text
+    again = engine.generate(GenerationRequest("b", ids, GREEDY))
+    assert engine.reused_tokens == len(ids) - 1
+    assert again.text == before
+
+
 # -- chunked prefill, token budget, resume --------------------------------------------------
 
 
