@@ -6,6 +6,7 @@ Screenshots of each page are written to docs/screenshots/.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -154,7 +155,8 @@ def test_chat_streams_then_reopens_after_reload(page: Any, farm_url: str, user_t
     expect(answer).to_have_attribute("data-job-id", re.compile(r"[0-9a-f-]{36}"))
     expect(page.locator(".turn.assistant.streaming")).to_have_count(0)
     job_id = answer.get_attribute("data-job-id")
-    final_text = answer.locator(".bubble-text").text_content()
+    # The bubble shows the answer rendered as Markdown; data-source holds its text.
+    final_text = answer.locator(".bubble-text").get_attribute("data-source")
     assert final_text
 
     # The answer came over the page's one multiplexed websocket (/v1/ws).
@@ -174,7 +176,8 @@ def test_chat_streams_then_reopens_after_reload(page: Any, farm_url: str, user_t
     expect(chat_link).to_be_visible()
     chat_link.click()
     expect(page.locator(".turn.user .bubble-text")).to_have_text(["Tell me about foxes in winter."])
-    expect(page.locator(".turn.assistant .bubble-text")).to_have_text([final_text])
+    reopened = page.locator(".turn.assistant .bubble-text")
+    expect(reopened).to_have_attribute("data-source", final_text)
     page.get_by_text("Sampling settings and system prompt").click()
     expect(page.get_by_label("Max tokens")).to_have_value("200")
 
@@ -189,6 +192,112 @@ def test_chat_streams_then_reopens_after_reload(page: Any, farm_url: str, user_t
 
     page.set_viewport_size({"width": 390, "height": 844})
     shot(page, "chat-phone.png")
+
+
+# Model output meant to run script: each piece must show as text. Streamed in
+# small pieces, so a tag or a fence is split across tokens.
+HOSTILE_ANSWER = """Here is **bold**, *emphasis*, `<b>inline</b>`,
+a [safe link](https://example.com/a) and [a bad one](javascript:window.__pwned=1).
+<img src=x onerror="window.__pwned=1"> <script>window.__pwned=1</script>
+<a href="javascript:window.__pwned=1">click</a>
+
+- one
+- two <svg onload="window.__pwned=1">
+  - nested
+
+1. first
+2. second
+
+| Name | Value |
+|------|------:|
+| <iframe src="javascript:window.__pwned=1"> | 1 |
+
+```python
+print("<script>window.__pwned=1</script>")
+```
+"""
+CODE = 'print("<script>window.__pwned=1</script>")'
+
+
+def hostile_events() -> str:
+    pieces = [HOSTILE_ANSWER[i : i + 7] for i in range(0, len(HOSTILE_ANSWER), 7)]
+    events = [{"seq": 0, "type": "started"}]
+    events += [{"seq": n + 1, "type": "token", "text": t} for n, t in enumerate(pieces)]
+    events.append({"seq": len(pieces) + 1, "type": "done", "text": HOSTILE_ANSWER})
+    return "".join(f"id: {e['seq']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+def test_answers_render_markdown_and_never_run_model_html(
+    page: Any, farm_url: str, user_token: str
+) -> None:
+    # The job is real (tiny-random); its event stream is replaced by this test's
+    # tokens, read by the page's server-sent-events transport.
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=farm_url)
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.route(
+        re.compile(r".*/v1/jobs/[^/]+/events$"),
+        lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=hostile_events()
+        ),
+    )
+    sign_in(page, user_token)
+    page.get_by_role("button", name="New chat", exact=True).click()
+    page.get_by_label("Model").select_option("tiny-random")
+    page.evaluate("window.__pwned = 0; state.transport = new JobTransport()")
+    page.get_by_label("Message", exact=True).fill("Show me some Markdown")
+    page.get_by_role("button", name="Send", exact=True).click()
+    expect(page.locator(".turn.assistant.streaming")).to_have_count(0)
+    body = page.locator(".turn.assistant .bubble-text").last
+    expect(body).to_have_attribute("data-source", HOSTILE_ANSWER)
+
+    # Nothing ran, nothing became an element; the hostile text shows as written.
+    page.wait_for_timeout(500)
+    assert page.evaluate("window.__pwned") == 0 and dialogs == []
+    assert body.locator("img, script, svg, iframe, [onerror], [onload]").count() == 0
+    expect(body).to_contain_text('<img src=x onerror="window.__pwned=1">')
+    expect(body).to_contain_text("<script>window.__pwned=1</script>")
+    expect(body).to_contain_text("[a bad one](javascript:window.__pwned=1)")
+    expect(body).to_contain_text('<a href="javascript:window.__pwned=1">click</a>')
+    links = body.locator("a")
+    expect(links).to_have_count(1)
+    expect(links).to_have_attribute("href", "https://example.com/a")
+    expect(links).to_have_attribute("rel", "noopener noreferrer")
+    expect(links).to_have_attribute("target", "_blank")
+
+    # Emphasis, inline code, lists, a table and a code block render.
+    expect(body.locator("strong")).to_have_text("bold")
+    expect(body.locator("em")).to_have_text("emphasis")
+    expect(body.locator("p code")).to_have_text("<b>inline</b>")
+    expect(body.locator(":scope > ul > li")).to_have_count(2)
+    expect(body.locator("li > p")).to_have_count(0)  # a tight list: no paragraphs
+    expect(body.locator("ul > li ul > li")).to_have_text(["nested"])
+    second = body.locator(":scope > ul > li").nth(1)
+    expect(second).to_contain_text('two <svg onload="window.__pwned=1">')
+    expect(body.locator("ol > li")).to_have_text(["first", "second"])
+    expect(body.locator("table th")).to_have_text(["Name", "Value"])
+    expect(body.locator("table td").first).to_have_text(
+        '<iframe src="javascript:window.__pwned=1">'
+    )
+    expect(body.locator("table td.align-right")).to_have_text("1")
+    expect(body.locator(".code-block pre code")).to_have_text(CODE)
+    expect(body.locator(".code-block pre code")).to_have_attribute("data-lang", "python")
+
+    copy = body.get_by_role("button", name="Copy code")
+    copy.click()
+    expect(body.get_by_role("button", name="Copied")).to_be_visible()
+    assert page.evaluate("navigator.clipboard.readText()") == CODE
+    shot(page, "chat-markdown.png")
+
+    # While it streams, an unclosed fence already shows as code.
+    partial = page.evaluate(
+        """(text) => { const d = document.createElement('div');
+                       Markdown.render(text, d);
+                       return d.querySelector('pre code').textContent; }""",
+        "Text\n```js\nlet a = 1;",
+    )
+    assert partial == "let a = 1;"
+    assert page.evaluate("window.__pwned") == 0
 
 
 def test_queue_position_then_stop(page: Any, farm_url: str, user_token: str) -> None:
