@@ -9,16 +9,23 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import requests
 
-from config import Settings
+from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
+from db.session import Database
+from fleet.registry import registry_key
 from tests import farm
+from workers.executors.base import RecordOnlyExecutor
+from workers.scaler import Scaler
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
@@ -362,3 +369,163 @@ def test_operator_page_shows_models_and_workers(page: Any, admin_token: str) -> 
 def test_operator_page_refuses_a_plain_user(page: Any, user_token: str) -> None:
     sign_in(page, user_token, "/ops")
     expect(page.locator("#sign-in-error")).to_contain_text("403")
+
+
+def add_job(db: Any, model: str, status: str, **fields: Any) -> str:
+    from db.schema import Job
+
+    job_id = str(uuid.uuid4())
+    with db.session() as s:
+        s.add(Job(id=job_id, model=model, status=status, params={}, attempts=1, **fields))
+    return job_id
+
+
+def test_operator_charts_from_the_farms_history(
+    page: Any, farm_url: str, migrated: Settings, admin_token: str, user_token: str
+) -> None:
+    """The farm's history over the last 40 minutes, then the operator page draws it.
+
+    The real scaler (its executor records only) ticks once a minute of the past
+    40 against the farm's database and Redis, as its leader would have: the
+    tiny-random worker of this module is its ready replica; finished jobs are
+    written with the times a worker gives them (the history counts them by
+    those times); jobs queued for tiny-late through the API wake it up, and an
+    operator pins a count through the API.
+    """
+    db = Database(migrated.database_url)
+    client = redis.Redis.from_url(migrated.redis_url)
+    scaler = Scaler(
+        migrated,
+        load_catalog(migrated.models_dir),
+        db,
+        client,
+        RecordOnlyExecutor(),
+    )
+    now = datetime.now(UTC)
+    base = now.replace(second=0, microsecond=0) - timedelta(minutes=40)
+    s = timedelta(seconds=1)
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    queued: list[str] = []
+    # Two lost workers of tiny-late: one a moment ago (listed), one long ago (folded away).
+    for gone, age in (("tiny-late@gone:1:recent", 20), ("tiny-late@gone:2:old", 600)):
+        client.hset(
+            registry_key(migrated),
+            gone,
+            json.dumps(
+                {
+                    "id": gone,
+                    "model": "tiny-late",
+                    "state": "ready",
+                    "updated_at": time.time() - age,
+                }
+            ),
+        )
+    try:
+        for k in range(40):
+            minute = base + timedelta(minutes=k)
+            for n in range(1 + k % 3):
+                wait, ttft = 0.2 + 0.1 * n, 0.05 + 0.01 * (k % 7) + 0.02 * n
+                add_job(
+                    db,
+                    "tiny-random",
+                    "succeeded",
+                    created_at=minute + (5 + n) * s,
+                    started_at=minute + (5 + n + wait) * s,
+                    first_token_at=minute + (5 + n + wait + ttft) * s,
+                    finished_at=minute + (20 + n) * s,
+                )
+            if k in (12, 31):
+                add_job(
+                    db,
+                    "tiny-random",
+                    "failed",
+                    created_at=minute + s,
+                    started_at=minute + 2 * s,
+                    finished_at=minute + 10 * s,
+                    worker="tiny-random@gone:9:dead",
+                    error="worker lost 2 times",
+                )
+            if k == 15:  # three requests for tiny-late, which no worker serves
+                for _ in range(3):
+                    r = requests.post(
+                        f"{farm_url}/v1/jobs",
+                        json={"model": "tiny-late", "prompt": "anyone?"},
+                        headers={"Authorization": f"Bearer {user_token}"},
+                        timeout=30,
+                    )
+                    assert r.status_code in (200, 201, 202), r.text
+                    queued.append(r.json()["id"])
+            if k == 24:  # given up on
+                for job_id in queued:
+                    requests.delete(f"{farm_url}/v1/jobs/{job_id}", headers=headers, timeout=30)
+            scaler.tick(minute + 50 * s)
+        r = requests.put(
+            f"{farm_url}/v1/admin/models/tiny-random/scaling",
+            json={"replicas": 2},
+            headers=headers,
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        scaler.tick()
+
+        sign_in(page, admin_token, "/ops")
+        card = page.locator('[data-model="tiny-random"]')
+        charts = card.locator(".history .chart")
+        expect(charts).to_have_count(5)
+        for key in ("queue", "replicas", "tokens", "ttft", "wait"):
+            line = card.locator(f'[data-chart="{key}"] path.line').first
+            expect(line).to_have_attribute("data-points", re.compile(r"^[1-9][0-9]*$"))
+        replicas = card.locator('[data-chart="replicas"] path.line')
+        assert int(replicas.nth(1).get_attribute("data-points")) >= 40  # ready, each minute
+        ttft = card.locator('[data-chart="ttft"] path.line').first
+        assert int(ttft.get_attribute("data-points")) >= 40
+
+        # The operator's pin is a marker; its tooltip says who and why.
+        pin = card.locator('[data-chart="replicas"] .marker[data-kind="setting"]').first
+        pin.hover()
+        tip = card.locator('[data-chart="replicas"] .chart-tip')
+        expect(tip).to_be_visible()
+        expect(tip).to_contain_text("setting")
+        expect(tip).to_contain_text("admin-")
+
+        late = page.locator('[data-model="tiny-late"]')
+        wake = late.locator('[data-chart="replicas"] .marker[data-kind="wake"]')
+        expect(wake).to_have_count(1)
+        wake.hover()
+        expect(late.locator('[data-chart="replicas"] .chart-tip')).to_contain_text(
+            re.compile(r"wake: 0 → 1 replicas, by ")
+        )
+        # Lost workers: the recent one listed, the old one folded away.
+        expect(late.get_by_text("tiny-late@gone:1:recent")).to_be_visible()
+        expect(late.get_by_text("tiny-late@gone:2:old")).to_be_hidden()
+        expect(late.locator(".lost-workers summary")).to_contain_text("1 lost worker")
+
+        events = page.locator("#recent-events")
+        expect(events.locator('tr[data-kind="wake"]').first).to_contain_text("tiny-late")
+        expect(events.locator('tr[data-kind="setting"]').first).to_contain_text("admin-")
+        failures = page.locator("#recent-failures")
+        expect(failures.locator("tbody tr")).to_have_count(2)
+        expect(failures).to_contain_text("worker lost 2 times")
+        wake.hover()  # the tooltip shows in the screenshots
+        late.locator(".history").screenshot(path=str(SCREENSHOTS / "ops-charts-wake.png"))
+        pin.hover()
+        card.locator(".history").screenshot(path=str(SCREENSHOTS / "ops-charts.png"))
+        page.locator("#recent-events").screenshot(path=str(SCREENSHOTS / "ops-events.png"))
+
+        late.locator(".lost-workers summary").click()
+        expect(late.get_by_text("tiny-late@gone:2:old")).to_be_visible()
+
+        # A day's range: the same minutes, on a wider axis.
+        page.get_by_label("History over").select_option("1d")
+        expect(card.locator('[data-chart="replicas"] path.line').nth(1)).to_have_attribute(
+            "data-points", re.compile(r"^[4-9][0-9]$")
+        )
+    finally:
+        requests.put(
+            f"{farm_url}/v1/admin/models/tiny-random/scaling",
+            json={"auto": True},
+            headers=headers,
+            timeout=30,
+        )
+        client.hdel(registry_key(migrated), "tiny-late@gone:1:recent", "tiny-late@gone:2:old")
+        db.dispose()
