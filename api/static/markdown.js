@@ -88,7 +88,7 @@ const Markdown = (() => {
     return out;
   }
 
-  function copyButton(code) {
+  function copyButton(code, codeNode) {
     // The label comes from CSS (data-state), so the answer's textContent stays the model's text.
     const button = node("button", "copy-code");
     button.type = "button";
@@ -100,10 +100,18 @@ const Markdown = (() => {
         button.dataset.state = "copied";
         button.setAttribute("aria-label", "Copied");
       } catch (err) {
+        // No clipboard (a page not served over https or from localhost): select
+        // the code so that Ctrl+C copies it.
+        const range = document.createRange();
+        range.selectNodeContents(codeNode);
+        const selection = window.getSelection();
+        selection.removeAllRanges();
+        selection.addRange(range);
         button.dataset.state = "failed";
-        button.setAttribute("aria-label", "Copy failed: select the code instead");
+        button.setAttribute("aria-label", "Copy failed: the code is selected, press Ctrl+C");
       }
-      setTimeout(() => {
+      clearTimeout(button.resetTimer);
+      button.resetTimer = setTimeout(() => {
         button.dataset.state = "idle";
         button.setAttribute("aria-label", "Copy code");
       }, 2000);
@@ -119,7 +127,7 @@ const Markdown = (() => {
     code.textContent = text;
     if (lang) code.dataset.lang = lang;
     pre.append(code);
-    wrap.append(copyButton(text), pre);
+    wrap.append(copyButton(text, code), pre);
     return wrap;
   }
 

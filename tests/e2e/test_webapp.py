@@ -295,6 +295,12 @@ def test_answers_render_markdown_and_never_run_model_html(
     expect(body.get_by_role("button", name="Copied")).to_be_visible()
     assert page.evaluate("navigator.clipboard.readText()") == CODE
     shot(page, "chat-markdown.png")
+    # Without a clipboard (plain http on another host) the code is selected instead.
+    page.evaluate("() => { navigator.clipboard.writeText = () => Promise.reject(Error('no')); }")
+    copy = body.locator(".copy-code")
+    copy.click()
+    expect(copy).to_have_attribute("aria-label", re.compile("the code is selected"))
+    assert page.evaluate("window.getSelection().toString()") == CODE
 
     # While it streams, an unclosed fence already shows as code.
     partial = page.evaluate(
