@@ -521,6 +521,18 @@ def test_operator_charts_from_the_farms_history(
         late.locator(".lost-workers summary").click()
         expect(late.get_by_text("tiny-late@gone:2:old")).to_be_visible()
 
+        # On a phone the charts stack and nothing scrolls sideways.
+        page.set_viewport_size({"width": 390, "height": 844})
+        expect(card.locator('[data-chart="replicas"]')).to_be_visible()
+        wide = page.evaluate(  # the innermost elements past the screen's edge, if any
+            """() => [...document.querySelectorAll('body *')]
+                 .filter((n) => n.getBoundingClientRect().right > 392 && !n.children.length)
+                 .slice(0, 8).map((n) => `${n.tagName}.${n.className}`)"""
+        )
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390, wide
+        card.locator(".history").screenshot(path=str(SCREENSHOTS / "ops-charts-phone.png"))
+        page.set_viewport_size({"width": 1280, "height": 860})
+
         # A day's range: the same minutes, on a wider axis.
         page.get_by_label("History over").select_option("1d")
         expect(card.locator('[data-chart="replicas"] path.line').nth(1)).to_have_attribute(
