@@ -1,8 +1,9 @@
 // Time-series charts for the operator page: hand-written SVG, no library.
 // One chart is a few lines over a time range (one point a minute, a gap where
-// a minute is missing or a value is null), the farm's events as vertical
-// markers, and one tooltip that reads the values under the pointer or says
-// who or what made a marker's decision and why.
+// a minute is missing or a value is null), the time-of-day windows as shaded
+// bands, the farm's events as vertical markers, and one tooltip that reads the
+// values (and windows) under the pointer or says who or what made a marker's
+// decision and why.
 "use strict";
 
 const Charts = (() => {
@@ -10,6 +11,7 @@ const Charts = (() => {
   const W = 520;
   const H = 200;
   const PAD = { left: 46, right: 12, top: 12, bottom: 24 };
+  const MERGE_X = 6;
 
   function svg(tag, attrs = {}) {
     const node = document.createElementNS(SVG, tag);
@@ -58,10 +60,11 @@ const Charts = (() => {
    *
    * ``opts``: title, unit, start and end (ms), stepMs, times (ms, ascending),
    * series ([{label, values}], values aligned with times, null for none),
-   * events (as GET /v1/admin/history gives them).
+   * events (as GET /v1/admin/history gives them), windows ([{label, spans:
+   * [[from ms, to ms], …]}]).
    */
   function timeSeries(opts) {
-    const { title, unit, start, end, stepMs, times, series, events = [] } = opts;
+    const { title, unit, start, end, stepMs, times, series, events = [], windows = [] } = opts;
     const span = Math.max(end - start, 1);
     const plotW = W - PAD.left - PAD.right;
     const plotH = H - PAD.top - PAD.bottom;
@@ -103,6 +106,24 @@ const Charts = (() => {
       root.append(label);
     }
 
+    let bands = 0;
+    for (const w of windows) {
+      for (const [from, to] of w.spans) {
+        const x1 = x(Math.max(from, start));
+        const x2 = x(Math.min(to, end));
+        if (x2 <= x1) continue;
+        const band = svg("rect", { class: "window-band", x: x1, y: PAD.top, width: x2 - x1, height: plotH });
+        band.dataset.window = w.label;
+        root.append(band);
+        bands++;
+      }
+    }
+    if (bands) {
+      const item = html("span", "legend-item");
+      item.append(html("span", "swatch window"), document.createTextNode("time-of-day window"));
+      caption.append(item);
+    }
+
     series.forEach((s, i) => {
       let d = "";
       let points = 0;
@@ -137,14 +158,24 @@ const Charts = (() => {
       tip.hidden = true;
     };
 
-    const inRange = events.filter((e) => {
+    // Events closer than MERGE_X apart share one marker, which lists them all.
+    const groups = [];
+    for (const e of events) {
       const t = Date.parse(e.at);
-      return t >= start && t <= end;
-    });
-    for (const e of inRange) {
-      const at = x(Date.parse(e.at));
-      const marker = svg("g", { class: `marker kind-${e.kind}`, tabindex: "0", "data-kind": e.kind });
-      const words = describeEvent(e);
+      if (t < start || t > end) continue;
+      const last = groups[groups.length - 1];
+      if (last && Math.abs(x(t) - last.x) < MERGE_X) last.events.push(e);
+      else groups.push({ x: x(t), events: [e] });
+    }
+    for (const group of groups) {
+      const at = group.x;
+      const kinds = [...new Set(group.events.map((e) => e.kind))];
+      const marker = svg("g", {
+        class: `marker kind-${kinds[0]}`,
+        tabindex: "0",
+        "data-kinds": kinds.join(" "),
+      });
+      const words = group.events.map(describeEvent).join("\n");
       marker.setAttribute("aria-label", words);
       marker.append(
         svg("line", { class: "marker-line", x1: at, x2: at, y1: PAD.top, y2: H - PAD.bottom }),
@@ -184,7 +215,9 @@ const Charts = (() => {
       }
       const j = lo > 0 && t - times[lo - 1] < times[lo] - t ? lo - 1 : lo;
       const values = series.map((s) => `${s.label} ${fmtValue(s.values[j])}`).join(", ");
-      show(`${fmtTime(times[j], span)}: ${values}`, ev.clientX, ev.clientY);
+      const active = windows.filter((w) => w.spans.some(([from, to]) => times[j] >= from && times[j] < to));
+      const inWindow = active.length ? ` · in window ${active.map((w) => w.label).join("; ")}` : "";
+      show(`${fmtTime(times[j], span)}: ${values}${inWindow}`, ev.clientX, ev.clientY);
     });
     root.addEventListener("mouseleave", hide);
 

@@ -232,6 +232,10 @@ function buildCharts(name) {
   const end = Date.parse(history.to);
   const times = columns.minute.map((m) => Date.parse(m));
   const events = history.events.filter((e) => e.model === name);
+  const windows = ((history.windows || {})[name] || []).map((w) => ({
+    label: describeWindow(w),
+    spans: w.spans.map(([from, to]) => [Date.parse(from), Date.parse(to)]),
+  }));
   const grid = el("div", { class: "charts" });
   for (const [key, title, unit, lines] of CHARTS) {
     grid.append(
@@ -245,6 +249,7 @@ function buildCharts(name) {
         times,
         series: lines.map(([column, label]) => ({ label, values: columns[column] })),
         events,
+        windows,
       })
     );
   }

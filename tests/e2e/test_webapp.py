@@ -426,6 +426,16 @@ def test_operator_charts_from_the_farms_history(
                 }
             ),
         )
+    # A time-of-day window over the hour of 20 minutes ago (UTC), which the charts shade.
+    hour = (now - timedelta(minutes=20)).hour
+    r = requests.post(
+        f"{farm_url}/v1/admin/models/tiny-random/schedule",
+        json={"cron": f"* {hour} * * *", "timezone": "UTC", "min_replicas": 1},
+        headers=headers,
+        timeout=30,
+    )
+    assert r.status_code in (200, 201), r.text
+    window_id = r.json()["id"]
     try:
         for k in range(40):
             minute = base + timedelta(minutes=k)
@@ -485,9 +495,12 @@ def test_operator_charts_from_the_farms_history(
         assert int(replicas.nth(1).get_attribute("data-points")) >= 40  # ready, each minute
         ttft = card.locator('[data-chart="ttft"] path.line').first
         assert int(ttft.get_attribute("data-points")) >= 40
+        band = card.locator('[data-chart="replicas"] .window-band')
+        expect(band).to_have_count(1)
+        expect(band).to_have_attribute("data-window", re.compile(rf"\* {hour} \* \* \* \(UTC\)"))
 
         # The operator's pin is a marker; its tooltip says who and why.
-        pin = card.locator('[data-chart="replicas"] .marker[data-kind="setting"]').first
+        pin = card.locator('[data-chart="replicas"] .marker[data-kinds~="setting"]').first
         pin.hover()
         tip = card.locator('[data-chart="replicas"] .chart-tip')
         expect(tip).to_be_visible()
@@ -495,7 +508,7 @@ def test_operator_charts_from_the_farms_history(
         expect(tip).to_contain_text("admin-")
 
         late = page.locator('[data-model="tiny-late"]')
-        wake = late.locator('[data-chart="replicas"] .marker[data-kind="wake"]')
+        wake = late.locator('[data-chart="replicas"] .marker[data-kinds~="wake"]')
         expect(wake).to_have_count(1)
         wake.hover()
         expect(late.locator('[data-chart="replicas"] .chart-tip')).to_contain_text(
@@ -539,6 +552,11 @@ def test_operator_charts_from_the_farms_history(
             "data-points", re.compile(r"^[4-9][0-9]$")
         )
     finally:
+        requests.delete(
+            f"{farm_url}/v1/admin/models/tiny-random/schedule/{window_id}",
+            headers=headers,
+            timeout=30,
+        )
         requests.put(
             f"{farm_url}/v1/admin/models/tiny-random/scaling",
             json={"auto": True},
