@@ -313,6 +313,64 @@ def test_answers_render_markdown_and_never_run_model_html(
     assert page.evaluate("window.__pwned") == 0
 
 
+# Renders 3,000 random strings of Markdown- and HTML-significant pieces and
+# returns what should never be there: an element or attribute the renderer does
+# not make, a link that is not http(s), or an exception.
+FUZZ_MARKDOWN = """
+() => {
+  const pieces = ['<', '>', '"', "'", '&', '*', '**', '_', '`', '```', '~~', '[', ']', '(', ')',
+    '|', '-', '1.', '#', '>', ' ', '\\n', '\\n\\n', '  ', '\\\\', 'javascript:', 'http://a.b/c',
+    'https://x.y', 'data:text/html,', '<script>', '<img src=x onerror=alert(1)>', 'onload=',
+    'a', 'word', '|---|', ':--'];
+  let seed = 42;
+  const rand = (n) => {  // mulberry32: the same strings on every run
+    seed = (seed + 0x6d2b79f5) | 0;
+    let t = Math.imul(seed ^ (seed >>> 15), 1 | seed);
+    t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
+    return ((t ^ (t >>> 14)) >>> 0) % n;
+  };
+  const tags = new Set(['P', 'STRONG', 'EM', 'DEL', 'CODE', 'PRE', 'A', 'UL', 'OL', 'LI',
+    'TABLE', 'THEAD', 'TBODY', 'TR', 'TH', 'TD', 'DIV', 'BUTTON', 'BLOCKQUOTE', 'HR',
+    'H3', 'H4', 'H5', 'H6']);
+  const attrs = new Set(['class', 'href', 'target', 'rel', 'type', 'aria-label', 'data-state',
+    'data-lang', 'start']);
+  const bad = [];
+  const made = {};
+  for (let n = 0; n < 3000; n++) {
+    let text = '';
+    for (let k = rand(40); k >= 0; k--) text += pieces[rand(pieces.length)];
+    const box = document.createElement('div');
+    try {
+      Markdown.render(text, box);
+    } catch (err) {
+      bad.push(['throws', text, String(err)]);
+      continue;
+    }
+    for (const node of box.querySelectorAll('*')) {
+      made[node.tagName] = (made[node.tagName] || 0) + 1;
+      if (!tags.has(node.tagName)) bad.push(['tag', text, node.tagName]);
+      for (const a of node.attributes) {
+        if (!attrs.has(a.name)) bad.push(['attribute', text, a.name]);
+      }
+      if (node.tagName === 'A' && !/^https?:\\/\\//.test(node.getAttribute('href')))
+        bad.push(['href', text, node.getAttribute('href')]);
+    }
+  }
+  return {bad: bad.slice(0, 5), made};
+}
+"""
+
+
+def test_markdown_of_random_text_makes_only_safe_nodes(page: Any, user_token: str) -> None:
+    sign_in(page, user_token)
+    expect(page.get_by_label("Message", exact=True)).to_be_visible()
+    found = page.evaluate(FUZZ_MARKDOWN)
+    assert found["bad"] == []
+    # The pieces did make every kind of node, links included.
+    for tag in ("A", "STRONG", "EM", "CODE", "PRE", "UL", "OL", "TABLE", "BLOCKQUOTE", "H3"):
+        assert found["made"].get(tag, 0) > 0, (tag, found["made"])
+
+
 def test_queue_position_then_stop(page: Any, farm_url: str, user_token: str) -> None:
     # tiny-late has no worker: the job waits in the queue until it is stopped.
     sign_in(page, user_token)
