@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
@@ -21,14 +22,19 @@ from api.schemas import parse
 from api.services import services
 from db.history import HistoryStore
 from db.scaling import ScalingStore
+from db.schema import ScalingWindow
 from fleet.history import MINUTE
 from fleet.history import events as farm_events
+from fleet.scaler_state import policy_for
+from fleet.schedule import active_spans
 
 bp = Blueprint("history", __name__)
 
 _LAST = re.compile(r"^(?P<n>[1-9][0-9]{0,5})(?P<unit>[mhd])$")
 _UNITS = {"m": timedelta(minutes=1), "h": timedelta(hours=1), "d": timedelta(days=1)}
 _LONGEST = timedelta(days=366)
+# A window's spans are read at most this many times over a range (a week: every 14 min).
+_WINDOW_SAMPLES = 720
 
 
 class HistoryQuery(BaseModel):
@@ -73,6 +79,33 @@ def time_range(query: HistoryQuery, now: datetime) -> tuple[datetime, datetime]:
     return start, end
 
 
+def window_spans(
+    scaling: ScalingStore, start: datetime, end: datetime, model: str | None
+) -> dict[str, list[dict[str, Any]]]:
+    """Per model with time-of-day windows, each window and when it was active in the range."""
+    minutes = max(1, int((end - start) / MINUTE) // _WINDOW_SAMPLES)
+    added: dict[str, list[ScalingWindow]] = {}
+    for row in scaling.windows(model):
+        added.setdefault(row.model, []).append(row)
+    found: dict[str, list[dict[str, Any]]] = {}
+    for definition in services().catalog:
+        if model is not None and definition.name != model:
+            continue
+        windows = policy_for(definition.scaling, None, added.get(definition.name, [])).windows
+        if windows:
+            found[definition.name] = [
+                {
+                    **w.as_dict(),
+                    "spans": [
+                        [a.isoformat(), b.isoformat()]
+                        for a, b in active_spans(w, start, end, minutes * MINUTE)
+                    ],
+                }
+                for w in windows
+            ]
+    return found
+
+
 @bp.get("/v1/admin/history")
 @spec(
     "The farm's one-minute history per model, its scaling events and failed jobs",
@@ -102,5 +135,6 @@ def history() -> Response:
                 query.events,
             ),
             "failed_jobs": store.failed_jobs(start, end, query.model, query.failed),
+            "windows": window_spans(scaling, start, end, query.model),
         }
     )

@@ -102,6 +102,30 @@ def active_windows(windows: Iterable[Window], now: datetime) -> list[Window]:
     return [w for w in windows if w.active(now)]
 
 
+def active_spans(
+    window: Window, start: datetime, end: datetime, step: timedelta
+) -> list[tuple[datetime, datetime]]:
+    """When ``window`` is active in ``[start, end)``, as ``[from, to)`` spans, read every ``step``.
+
+    The window is matched at the minute of ``start`` and then every ``step``
+    (a step of one minute is exact; a coarser one, for a chart of days, can
+    miss or stretch a span by less than a step). Spans are clipped to the range.
+    """
+    spans: list[tuple[datetime, datetime]] = []
+    at = start.replace(second=0, microsecond=0)
+    opened: datetime | None = None
+    while at < end:
+        if window.active(at):
+            opened = opened or max(at, start)
+        elif opened is not None:
+            spans.append((opened, at))
+            opened = None
+        at += step
+    if opened is not None:
+        spans.append((opened, end))
+    return spans
+
+
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
 _UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 

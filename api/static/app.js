@@ -257,9 +257,17 @@ function renderChatList() {
   }
 }
 
+/** Show ``text`` in an answer's bubble: Markdown for the assistant, plain text for the user. */
+function setBubbleText(body, role, text) {
+  body.dataset.source = text;
+  if (role === "assistant") Markdown.render(text, body);
+  else body.textContent = text;
+}
+
 function turnNode(turn) {
   const who = turn.role === "user" ? "You" : "Assistant";
-  const body = el("div", { class: "bubble-text" }, turn.content || "");
+  const body = el("div", { class: "bubble-text" });
+  setBubbleText(body, turn.role, turn.content || "");
   const node = el(
     "li",
     { class: `turn ${turn.role}`, "data-message-id": turn.id || "" },
@@ -431,6 +439,17 @@ async function send(text) {
   answerNode.setAttribute("aria-busy", "true");
   $("messages").append(userNode, answerNode);
   const textNode = answerNode.querySelector(".bubble-text");
+  // The answer's Markdown source; redrawn at most once a frame while tokens arrive.
+  let source = "";
+  let pendingDraw = null;
+  const draw = () => {
+    if (pendingDraw !== null) cancelAnimationFrame(pendingDraw);
+    pendingDraw = null;
+    setBubbleText(textNode, "assistant", source);
+  };
+  const redraw = () => {
+    if (pendingDraw === null) pendingDraw = requestAnimationFrame(draw);
+  };
   $("composer-input").value = "";
   setBusy(true);
 
@@ -500,7 +519,8 @@ async function send(text) {
       showQueue("");
     },
     onRestart: () => {
-      textNode.textContent = "";
+      source = "";
+      draw();
       // Only when the answer could not be continued (a "resumed" job keeps its text).
       showQueue("The answer could not be continued on another worker; it starts again.");
     },
@@ -509,17 +529,17 @@ async function send(text) {
         run.started = true;
         showQueue("");
       }
-      textNode.textContent += piece;
+      source += piece;
+      redraw();
       const list = $("messages");
       list.scrollTop = list.scrollHeight;
     },
     onDone: (frame) => {
-      if (typeof frame.text === "string" && frame.text.length >= textNode.textContent.length) {
-        textNode.textContent = frame.text;
-      }
+      if (typeof frame.text === "string" && frame.text.length >= source.length) source = frame.text;
+      draw();
       const last = chat.messages[chat.messages.length - 1];
       if (last && last.job_id === run.jobId) {
-        last.content = textNode.textContent;
+        last.content = source;
         last.job = { ...(last.job || {}), status: frame.finish_reason === "cancelled" ? "cancelled" : "succeeded" };
       }
       if (frame.finish_reason === "cancelled") {

@@ -1,12 +1,37 @@
 // The operator page: per model, desired vs ready replicas, queue depth,
 // tokens/s, its workers, its scaling schedule; scale by hand or hand back to
 // the automatic policy. Refreshed every REFRESH_MS while "Refresh live" is on.
+// Under them, charts of the farm's one-minute history (GET /v1/admin/history)
+// over the range picked, with its scaling events as markers, and tables of
+// recent events and failed jobs, reloaded every HISTORY_REFRESH_MS.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const REFRESH_MS = 2000;
+const HISTORY_REFRESH_MS = 60_000;
+// A worker lost longer than this (seconds) folds into a closed "lost workers" list.
+const LOST_FOLD_S = 180;
+const TABLE_ROWS = 20;
+const RANGES = new Set(["1h", "1d", "7d"]);
 
-const state = { timer: null, scaling: {}, editing: new Set() };
+// What each chart of a model draws: [key, title, unit, [[column, label], …]].
+const CHARTS = [
+  ["queue", "Queue depth and running jobs", "", [["queue_depth", "queued"], ["running", "running"]]],
+  ["replicas", "Replicas", "", [["desired", "desired"], ["ready", "ready"], ["starting", "starting"]]],
+  ["tokens", "Tokens per second", "tok/s", [["tokens_per_s", "tokens/s"]]],
+  ["ttft", "Time to first token", "s", [["ttft_p50_s", "p50"], ["ttft_p95_s", "p95"]]],
+  ["wait", "Queue wait", "s", [["queue_wait_p50_s", "p50"], ["queue_wait_p95_s", "p95"]]],
+];
+
+const state = {
+  timer: null,
+  historyTimer: null,
+  scaling: {},
+  editing: new Set(),
+  history: null, // the last GET /v1/admin/history answer
+  charts: new Map(), // model -> its charts' node, kept across the 2 s card rebuilds
+  openLost: new Set(), // models whose lost-worker list the operator opened
+};
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -73,7 +98,9 @@ function modelCard(model, workers, scaling) {
     stat("Tokens/s", fmtRate(rate))
   );
 
-  const rows = mine.map((w) =>
+  const folded = mine.filter((w) => w.lost && (w.heartbeat_age_s ?? 0) > LOST_FOLD_S);
+  const shown = mine.filter((w) => !folded.includes(w));
+  const row = (w) =>
     el(
       "tr",
       {},
@@ -83,31 +110,49 @@ function modelCard(model, workers, scaling) {
       el("td", {}, fmtRate(w.tokens_per_s)),
       el("td", {}, w.device || ""),
       el("td", {}, w.host || "")
-    )
-  );
-  const table = mine.length
-    ? el(
-        "div",
-        { class: "table-wrap" },
+    );
+  const workersTable = (list, caption) =>
+    el(
+      "div",
+      { class: "table-wrap" },
+      el(
+        "table",
+        {},
+        el("caption", { class: "visually-hidden" }, caption),
         el(
-          "table",
+          "thead",
           {},
-          el("caption", { class: "visually-hidden" }, `Workers of ${name}`),
           el(
-            "thead",
+            "tr",
             {},
-            el(
-              "tr",
-              {},
-              ...["Worker", "State", "Busy slots", "Tokens/s", "Device", "Host"].map((h) =>
-                el("th", { scope: "col" }, h)
-              )
+            ...["Worker", "State", "Busy slots", "Tokens/s", "Device", "Host"].map((h) =>
+              el("th", { scope: "col" }, h)
             )
-          ),
-          el("tbody", {}, ...rows)
-        )
+          )
+        ),
+        el("tbody", {}, ...list.map(row))
       )
-    : el("p", { class: "muted" }, "No workers.");
+    );
+  const table = shown.length
+    ? workersTable(shown, `Workers of ${name}`)
+    : el("p", { class: "muted" }, folded.length ? "No live workers." : "No workers.");
+  let lostList = "";
+  if (folded.length) {
+    lostList = el(
+      "details",
+      { class: "lost-workers", open: state.openLost.has(name) ? "" : null },
+      el(
+        "summary",
+        {},
+        `${folded.length} lost worker${folded.length === 1 ? "" : "s"} (no heartbeat for over ${Math.round(LOST_FOLD_S / 60)} minutes)`
+      ),
+      workersTable(folded, `Lost workers of ${name}`)
+    );
+    lostList.addEventListener("toggle", () => {
+      if (lostList.open) state.openLost.add(name);
+      else state.openLost.delete(name);
+    });
+  }
 
   const windows = (scaling && scaling.windows) || [];
   const effective = (scaling && scaling.effective) || {};
@@ -145,7 +190,156 @@ function modelCard(model, workers, scaling) {
     scale(name, parseInt(input.value, 10));
   });
 
-  return el("section", { class: "model-card", "aria-labelledby": `model-${name}`, "data-model": name }, heading, stats, form, el("h4", {}, "Workers"), table, schedule);
+  return el(
+    "section",
+    { class: "model-card", "aria-labelledby": `model-${name}`, "data-model": name },
+    heading,
+    stats,
+    form,
+    el("h4", {}, "Workers"),
+    table,
+    lostList,
+    schedule,
+    chartsOf(name)
+  );
+}
+
+// ---------------------------------------------------------------- history
+
+/** The history charts of one model, built from ``state.history`` once per load. */
+function chartsOf(name) {
+  if (state.charts.has(name)) return state.charts.get(name);
+  const node = buildCharts(name);
+  state.charts.set(name, node);
+  return node;
+}
+
+function buildCharts(name) {
+  const box = el("div", { class: "history", "data-history": name }, el("h4", {}, "History"));
+  const history = state.history;
+  if (!history) {
+    box.append(el("p", { class: "muted" }, "Loading the history…"));
+    return box;
+  }
+  const columns = history.models[name];
+  if (!columns || !columns.minute.length) {
+    box.append(
+      el("p", { class: "muted" }, "Nothing recorded in this range (the scaler leader writes the history each minute).")
+    );
+    return box;
+  }
+  const start = Date.parse(history.from);
+  const end = Date.parse(history.to);
+  const times = columns.minute.map((m) => Date.parse(m));
+  const events = history.events.filter((e) => e.model === name);
+  const windows = ((history.windows || {})[name] || []).map((w) => ({
+    label: describeWindow(w),
+    spans: w.spans.map(([from, to]) => [Date.parse(from), Date.parse(to)]),
+  }));
+  const grid = el("div", { class: "charts" });
+  for (const [key, title, unit, lines] of CHARTS) {
+    grid.append(
+      Charts.timeSeries({
+        key,
+        title,
+        unit,
+        start,
+        end,
+        stepMs: history.step_s * 1000,
+        times,
+        series: lines.map(([column, label]) => ({ label, values: columns[column] })),
+        events,
+        windows,
+      })
+    );
+  }
+  box.append(grid);
+  return box;
+}
+
+function timeCell(iso) {
+  return el("td", {}, iso ? el("time", { datetime: iso }, new Date(iso).toLocaleString()) : "—");
+}
+
+function historyTable(caption, headings, rows, empty) {
+  if (!rows.length) return el("p", { class: "muted" }, empty);
+  return el(
+    "div",
+    { class: "table-wrap" },
+    el(
+      "table",
+      { class: "wrap" },
+      el("caption", { class: "visually-hidden" }, caption),
+      el("thead", {}, el("tr", {}, ...headings.map((h) => el("th", { scope: "col" }, h)))),
+      el("tbody", {}, ...rows)
+    )
+  );
+}
+
+function renderHistoryTables() {
+  const history = state.history;
+  if (!history) return;
+  const events = history.events.slice(0, TABLE_ROWS).map((e) => {
+    const change = e.desired !== undefined && e.desired !== null ? `${e.previous ?? "?"} → ${e.desired}` : "";
+    return el(
+      "tr",
+      { "data-kind": e.kind },
+      timeCell(e.at),
+      el("td", {}, e.model),
+      el("td", {}, e.kind),
+      el("td", {}, change),
+      el("td", {}, e.by || ""),
+      el("td", {}, e.why || "")
+    );
+  });
+  const failed = history.failed_jobs.slice(0, TABLE_ROWS).map((j) =>
+    el(
+      "tr",
+      {},
+      timeCell(j.finished_at),
+      el("td", {}, j.model),
+      el("td", {}, j.error || ""),
+      el("td", {}, String(j.attempts ?? "")),
+      el("td", {}, j.worker || ""),
+      el("td", {}, el("code", {}, j.id)),
+      el("td", {}, j.request_id || "")
+    )
+  );
+  $("recent-events").replaceChildren(
+    historyTable(
+      "Recent scaling events",
+      ["Time", "Model", "Kind", "Replicas", "By", "Why"],
+      events,
+      "No scaling event in this range."
+    )
+  );
+  $("recent-failures").replaceChildren(
+    historyTable(
+      "Recent failed jobs",
+      ["Finished", "Model", "Error", "Attempts", "Worker", "Job", "Request id"],
+      failed,
+      "No job failed in this range."
+    )
+  );
+}
+
+async function loadHistory() {
+  const range = RANGES.has($("range").value) ? $("range").value : "1h";
+  try {
+    state.history = await Session.api("GET", `/v1/admin/history?last=${range}&events=200&failed=${TABLE_ROWS}`);
+  } catch (err) {
+    if (err.status === 401 || err.status === 403) return signOut(Session.describe(err));
+    $("ops-error").textContent = `The history could not be read: ${Session.describe(err)}`;
+    return;
+  }
+  // Rebuild every model's charts and swap them into the cards in place.
+  const old = state.charts;
+  state.charts = new Map();
+  for (const [name, node] of old) if (node.isConnected) node.replaceWith(chartsOf(name));
+  renderHistoryTables();
+  $("history-range").textContent = `${new Date(state.history.from).toLocaleString()} to ${new Date(
+    state.history.to
+  ).toLocaleString()}`;
 }
 
 async function loadScaling(names) {
@@ -218,11 +412,14 @@ async function setAutomatic(name) {
 
 function schedule() {
   clearInterval(state.timer);
+  clearInterval(state.historyTimer);
   state.timer = $("live").checked ? setInterval(refresh, REFRESH_MS) : null;
+  state.historyTimer = $("live").checked ? setInterval(loadHistory, HISTORY_REFRESH_MS) : null;
 }
 
 function signOut(message) {
   clearInterval(state.timer);
+  clearInterval(state.historyTimer);
   Session.forget();
   $("ops-app").hidden = true;
   $("sign-out").hidden = true;
@@ -235,7 +432,7 @@ async function enter() {
   $("sign-in").hidden = true;
   $("ops-app").hidden = false;
   $("sign-out").hidden = false;
-  await refresh();
+  await Promise.all([refresh(), loadHistory()]);
   if (!$("ops-app").hidden) schedule();
 }
 
@@ -250,6 +447,7 @@ $("sign-in-form").addEventListener("submit", async (ev) => {
 });
 $("sign-out").addEventListener("click", () => signOut(""));
 $("live").addEventListener("change", schedule);
+$("range").addEventListener("change", loadHistory);
 
 if (Session.token()) enter();
 else signOut("");

@@ -17,7 +17,13 @@ from fleet.policy import (
     decide,
     effective_policy,
 )
-from fleet.schedule import ScheduleError, Window, parse_duration, validated_window
+from fleet.schedule import (
+    ScheduleError,
+    Window,
+    active_spans,
+    parse_duration,
+    validated_window,
+)
 
 # Monday 2 March 2026, 10:00 UTC (11:00 in Paris, winter time).
 MONDAY_10 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)
@@ -64,6 +70,29 @@ def test_weekday_window_is_active_in_its_timezone_at_a_frozen_clock() -> None:
     assert not WEEKDAYS.active(MONDAY_10.replace(hour=18, minute=0))
     saturday = MONDAY_10 + timedelta(days=5)
     assert not WEEKDAYS.active(saturday)
+
+
+def test_active_spans_of_a_window_over_a_range() -> None:
+    # Monday 00:00 UTC to Wednesday 00:00 UTC: Paris (UTC+1) 09:00-18:59 is 08:00-17:59 UTC.
+    monday = MONDAY_10.replace(hour=0, minute=0, second=0)
+    spans = active_spans(WEEKDAYS, monday, monday + timedelta(days=2), timedelta(minutes=1))
+    assert spans == [
+        (monday.replace(hour=8), monday.replace(hour=18)),
+        (monday.replace(hour=8) + timedelta(days=1), monday.replace(hour=18) + timedelta(days=1)),
+    ]
+    # A range that starts inside a span and ends inside another is clipped to it.
+    start, end = monday.replace(hour=12, second=30), monday.replace(hour=9) + timedelta(days=1)
+    assert active_spans(WEEKDAYS, start, end, timedelta(minutes=1)) == [
+        (start, monday.replace(hour=18)),
+        (monday.replace(hour=8) + timedelta(days=1), end),
+    ]
+    # Read every 14 minutes (a week on a chart), the edges move by less than a step.
+    coarse = active_spans(WEEKDAYS, monday, monday + timedelta(days=1), timedelta(minutes=14))
+    assert len(coarse) == 1
+    assert abs(coarse[0][0] - monday.replace(hour=8)) < timedelta(minutes=14)
+    assert abs(coarse[0][1] - monday.replace(hour=18)) < timedelta(minutes=14)
+    assert active_spans(WEEKDAYS, monday + timedelta(days=5), monday + timedelta(days=6),
+                        timedelta(minutes=1)) == []  # fmt: skip
 
 
 def test_window_follows_daylight_saving_time() -> None:
