@@ -228,7 +228,6 @@ ROUTES: dict[tuple[str, str], Case] = {
     ("GET", "/v1/admin/workers"): Case("/v1/admin/workers", role_checked(OPERATORS, 200)),
     ("GET", "/v1/admin/history"): Case("/v1/admin/history", role_checked(OPERATORS, 200)),
     ("GET", "/v1/admin/scaling"): Case("/v1/admin/scaling", role_checked(OPERATORS, 200)),
-    ("GET", "/v1/admin/history"): Case("/v1/admin/history", role_checked(OPERATORS, 200)),
     ("GET", "/v1/admin/models/<name>/scaling"): Case(
         f"/v1/admin/models/{MODEL}/scaling", role_checked(OPERATORS, 200)
     ),
