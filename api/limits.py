@@ -281,7 +281,9 @@ def check_capacity(
     if rows.peek(key, LIVE_WORKER_MAX_AGE_S):
         return
     workers = [w for w in list_workers(client, settings) if w.get("model") == definition.name]
-    live = [w for w in workers if not w["lost"] and w["state"] in ("starting", "ready")]
+    # .get: a report from another version of the worker may lack a field; it must
+    # not turn a submission into a 500.
+    live = [w for w in workers if not w.get("lost") and w.get("state") in ("starting", "ready")]
     if live:
         rows.put(key, True)
         return
@@ -290,7 +292,7 @@ def check_capacity(
             f"model {definition.name!r} has no workers and its scaling allows none "
             "(max_replicas is 0); ask an operator to raise it"
         )
-    if workers and all(w["state"] == "failed" for w in workers):
+    if workers and all(w.get("state") == "failed" for w in workers):
         reason = next((w.get("error") for w in workers if w.get("error")), None)
         detail = f": {reason}" if reason else ""
         raise Unavailable(
