@@ -180,6 +180,29 @@ def test_models_that_can_never_get_a_worker_are_503(
     cancel_all(a, token)
 
 
+def test_a_worker_report_missing_fields_does_not_break_submissions(
+    two_apis: tuple[str, str], limits_settings: Settings
+) -> None:
+    """A live report from another version of the worker (no ``state``) is not a 500."""
+    import redis
+
+    from fleet.registry import registry_key, worker_key
+
+    token = farm.make_token(limits_settings, max_concurrent_jobs=0, requests_per_minute=0)
+    client = redis.Redis.from_url(limits_settings.redis_url)
+    report = json.dumps({"id": "odd-worker", "model": "tiny-expiry", "updated_at": time.time()})
+    client.hset(registry_key(limits_settings), "odd-worker", report)
+    client.set(worker_key(limits_settings, "odd-worker"), report, ex=60)
+    try:
+        a, _ = two_apis
+        r = submit(a, token, "tiny-expiry")
+        assert r.status_code == 202, r.text
+    finally:
+        client.hdel(registry_key(limits_settings), "odd-worker")
+        client.delete(worker_key(limits_settings, "odd-worker"))
+        cancel_all(two_apis[0], token)
+
+
 def test_lookups_are_counted_in_a_window_of_their_own(limits_settings: Settings) -> None:
     """/tokenize and /v1/models count against the caller, apart from generation requests."""
     update = {"anonymous_requests_per_minute": 1, "lookup_factor": 2, "redis_prefix": "lookups"}
