@@ -219,6 +219,14 @@ class Settings(BaseModel):
             " CPU kernels for int4 models; off, or without a compiler, PyTorch's int4 kernel runs."
         ),
     )
+    prefix_caching: bool = Field(
+        default=True,
+        description=(
+            "A worker's engine keeps a finished request's keys and values in its slot and"
+            " prefills only what a new request does not share with them; off, every prompt is"
+            " prefilled in full (reused keys may differ from recomputed ones in the last bits)."
+        ),
+    )
     native_cache: str = Field(
         default="",
         description=(

@@ -179,6 +179,7 @@ def _start_engine(
         max_batch_size=definition.limits.max_batch_size,
         max_input_tokens=definition.limits.max_input_tokens,
         max_step_tokens=definition.limits.max_step_tokens,
+        prefix_caching=settings.prefix_caching,
     )
     engine.start()
     # Warm-up: a worker is ready only once a real generation went through.
