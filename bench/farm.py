@@ -767,7 +767,9 @@ def farm_phase(
 ) -> FarmResult:
     """The farm's levels, the worker's memory, and the API with idle subscribers."""
     api_threads = max(settings.api_threads, args.subscribers + 2 * max(args.concurrency) + 16)
-    env = child_env(settings, args.threads, api_threads, args.subscribers + 100)
+    env = child_env(
+        settings, args.worker_threads or args.threads, api_threads, args.subscribers + 100
+    )
     token = admin_token(settings)
     base = f"http://127.0.0.1:{settings.api_port}"
     with ExitStack() as stack:
@@ -1064,6 +1066,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=os.cpu_count() or 1,
         help="torch threads of the engine and the worker, n_threads of the peer (default: cores)",
     )
+    parser.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch threads of the farm's worker alone (default: --threads)",
+    )
     parser.add_argument("--stream", choices=("ws", "sse"), default="ws", help="farm client stream")
     parser.add_argument("--subscribers", type=int, default=1000, help="idle websockets (0: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
@@ -1080,7 +1088,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         parser.error("--concurrency, --requests-per-client and --max-new-tokens must be >= 1")
-    if args.threads < 1 or args.subscribers < 0:
+    if args.threads < 1 or args.worker_threads < 0 or args.subscribers < 0:
         parser.error("--threads must be >= 1 and --subscribers >= 0")
     return args
 
@@ -1101,7 +1109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     print(
         f"farm benchmark: {args.model}, greedy, {args.max_new_tokens} new tokens, "
-        f"{args.requests_per_client} requests per client, threads {args.threads}, "
+        f"{args.requests_per_client} requests per client, threads {args.threads}"
+        f"{f' (worker {args.worker_threads})' if args.worker_threads else ''}, "
         f"{os.cpu_count()} cores, load average {load_before[0]:.2f}; logs in {log_dir}",
         flush=True,
     )

@@ -249,8 +249,9 @@ class Engine:
     that last used it, and a new request takes the free slot whose tokens share
     the longest prefix with its own: it prefills only the rest (a chat's
     earlier turns, a shared system prompt). Otherwise the free slot freed
-    longest ago. A seeded request resumed from an earlier attempt always
-    prefills in full (its replay must be the uninterrupted run's to the bit).
+    longest ago. A seeded sampled request always prefills in full: its draws
+    must be the same on any worker, fresh or resumed, and reused keys and
+    values may differ from a fresh prefill's in the last bits.
     """
 
     def __init__(
@@ -572,7 +573,9 @@ class Engine:
     def _pick_slot(self, free: list[int], seq: _Sequence) -> tuple[int, int]:
         """A free slot for ``seq`` and how many of its first tokens that slot already holds."""
         slot = min(free, key=lambda s: self._freed_at[s])
-        if not self.prefix_caching or seq.replay:
+        if not self.prefix_caching or (seq.params.seed is not None and not seq.sampler.greedy):
+            # A seeded draw must be the same on any worker, at any time: reused keys
+            # and values may differ from a fresh prefill's in the last bits.
             return slot, 0
         ids, reuse = seq.all_ids(), 0
         for candidate in free:

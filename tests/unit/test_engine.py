@@ -655,6 +655,17 @@ def test_a_prompt_sharing_a_prefix_with_a_finished_one_prefills_only_the_rest(
     assert cold.reused_tokens == 0
 
 
+def test_a_seeded_sampled_request_never_reuses_a_held_prefix(make_engine: MakeEngine) -> None:
+    """Its draws must be the same on a fresh worker as on one whose slots hold its prompt."""
+    engine = make_engine(max_batch_size=1)
+    ids = prompts(engine, 2)[1]
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7)
+    first = engine.generate(GenerationRequest("a", ids, seeded)).text
+    again = engine.generate(GenerationRequest("b", ids, seeded)).text
+    assert engine.reused_tokens == 0
+    assert again == first
+
+
 def test_a_prompt_equal_to_a_held_one_still_runs_its_last_token(make_engine: MakeEngine) -> None:
     engine = make_engine(max_batch_size=1)
     ids = prompts(engine, 2)[1]
