@@ -44,16 +44,6 @@ def flower(migrated: Settings, log_dir: Path) -> Iterator[str]:
 def test_flower_shows_the_farm_worker_online_and_a_finished_job(
     flower: str, api_url: str, user_token: str, tiny_worker: farm.Process
 ) -> None:
-    r = requests.post(
-        f"{api_url}/v1/jobs",
-        json={"model": "tiny-random", "prompt": "Hello", "params": {"max_new_tokens": 4}},
-        headers={"Authorization": f"Bearer {user_token}"},
-        timeout=30,
-    )
-    assert r.status_code == 202, r.text
-    job_id = r.json()["id"]
-    assert farm.wait_final(api_url, user_token, job_id)["status"] == "succeeded"
-
     def online() -> list[str]:
         workers = requests.get(f"{flower}/api/workers", params={"refresh": 1}, timeout=30)
         assert workers.status_code == 200, workers.text
@@ -61,11 +51,34 @@ def test_flower_shows_the_farm_worker_online_and_a_finished_job(
 
     assert farm.wait_for("Flower to list the tiny-random worker", online, timeout=60, every=1)
 
-    def task() -> dict[str, Any] | None:
-        tasks = requests.get(f"{flower}/api/tasks", timeout=30).json()
-        found = tasks.get(job_id)
-        return found if found and found.get("state") == "SUCCESS" else None
+    def run_job() -> dict[str, Any]:
+        r = requests.post(
+            f"{api_url}/v1/jobs",
+            json={"model": "tiny-random", "prompt": "Hello", "params": {"max_new_tokens": 4}},
+            headers={"Authorization": f"Bearer {user_token}"},
+            timeout=30,
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        assert farm.wait_final(api_url, user_token, job_id)["status"] == "succeeded"
 
-    seen = farm.wait_for("Flower to show the job's task succeeded", task, timeout=60, every=1)
+        def task() -> dict[str, Any] | None:
+            tasks = requests.get(f"{flower}/api/tasks", timeout=30).json()
+            found = tasks.get(job_id)
+            return found if found and found.get("state") == "SUCCESS" else None
+
+        seen: dict[str, Any] = farm.wait_for(
+            "Flower to show the job's task succeeded", task, timeout=60, every=1
+        )
+        return seen
+
+    # Flower's event receiver connects to the broker on its own thread after its
+    # HTTP server answers; a job that ran while it joined shows its success without
+    # the task-received event that carries the name. A job run after that has both.
+    seen = run_job()
+    for _ in range(2):
+        if seen.get("name") is not None:
+            break
+        seen = run_job()
     assert seen["name"] == "switchyard.generate"
     assert seen["worker"].startswith("tiny-random@")
