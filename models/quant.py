@@ -223,8 +223,8 @@ class NativeLinear:
     :class:`Int4Linear` its scales keep the file's half-float precision.
     ``Q8_0`` holds ``w = d * q`` (``q`` in -127..127).
 
-    Where the library has AVX512-VNNI (``sy_panels``) and the outputs are a
-    multiple of 16, the codes are laid out in panels of 16 outputs
+    Where the library has panels (``sy_panels``: AVX2 or AVX512-VNNI) and the
+    outputs are a multiple of 16, the codes are laid out in panels of 16 outputs
     (:func:`pack_panels`) for ``sy_pgemm``; else in GGUF's own block order for
     ``sy_qgemm``. Both compute the same sums. The panel kernel serves steps of
     any size; with the block kernel, steps of more than ``max_rows`` tokens
@@ -302,7 +302,16 @@ PANEL_WIDTH = 16
 """Outputs per panel (one AVX-512 vector of float32)."""
 
 PANEL_ROWS = sys.maxsize
-"""Rows up to which the panel kernel runs: all. One thread, an AVX512-VNNI/BF16 EPYC,
+"""Rows up to which the panel kernel runs: all.
+
+One thread, an AVX2 EPYC without AVX-512 (16 lanes as two vectors of 8), panel /
+block kernel / PyTorch's float32 matmul of a dense copy at 1 / 4 / 8 / 16 / 64 rows:
+3072x576 80 / 143 / 270 / 557 / 2242 against 313 / 560 / 799 / 1566 / 6444 and 214 /
+561 / 1177 / 1159 / 4218 us; 576x1536 52 / 96 / 179 / 359 / 1442 against float32 88 /
+265 / 547 / 509 / 1506 us; the 49152x576 output layer 2.5 / 2.9 / 5.1 / 9.1 / 33.2
+against float32 10.9 / 28.0 / 39.2 / 40.1 / 99.8 ms.
+
+One thread, an AVX512-VNNI/BF16 EPYC,
 panel against PyTorch's bfloat16 matmul of a dense copy at 8 / 16 / 32 rows:
 3072x576 168 / 330 / 662 against 241 / 367 / 637 us, 576x1536 118 / 234 / 465
 against 129 / 193 / 318 us, the 49152x576 output layer 3.9 / 6.4 / 11.1 against

@@ -49,7 +49,7 @@ def test_grouped_matmuls_compute_their_weights_and_give_a_row_the_same_bits_in_a
     kind: int, outputs: int
 ) -> None:
     """72 outputs take the block kernel; 96 (a multiple of 16) the panel kernel where
-    the CPU has AVX512-VNNI."""
+    the CPU has AVX2 or AVX512-VNNI."""
     assert lib is not None
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(outputs, 6 * GROUP_SIZE, generator=gen) * 0.05
