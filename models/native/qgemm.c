@@ -86,6 +86,38 @@ static void quantize_row_q16(const float *x, block_q16 *out, int k) {
         _mm256_storeu_si256((__m256i *)out[b].qs, _mm512_cvtepi32_epi16(q0));
         _mm256_storeu_si256((__m256i *)(out[b].qs + 16), _mm512_cvtepi32_epi16(q1));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif SY_AVX2
+        /* The same operations as above, 8 lanes at a time. */
+        const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+        __m256i q[4];
+        const __m256 vs[4] = {v0, v1, v2, v3};
+        for (int j = 0; j < 4; j++) {
+            __m256 sc = _mm256_mul_ps(vs[j], idv);
+            __m256i qj = _mm256_cvttps_epi32(
+                _mm256_or_ps(_mm256_add_ps(_mm256_andnot_ps(sign, sc), half), _mm256_and_ps(sign, sc)));
+            q[j] = _mm256_max_epi32(_mm256_min_epi32(qj, top), bottom);
+        }
+        /* packs interleaves 128-bit lanes: put them back in order */
+        __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+        __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+        _mm256_storeu_si256((__m256i *)out[b].qs, p01);
+        _mm256_storeu_si256((__m256i *)(out[b].qs + 16), p23);
+        __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+        const int sum = _mm_cvtsi128_si32(t4);
 #else
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) {
@@ -112,6 +144,35 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+#endif
+
+#if SY_AVX2
+/* e^x, 8 lanes (Cephes' expf: x = n ln 2 + r, a degree-5 polynomial in r; within 2
+   ulp of expf, and e^x = 0 below -88.4). The same lane operations whatever the
+   lane, so a value's result does not depend on its neighbours. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* [sum(a[0]), ..., sum(a[7])]. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
 
@@ -485,7 +546,16 @@ void sy_silu_mul(const float *gate_up, int rows, int inter, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
         float *o = out + (size_t)r * inter;
-        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int i = 0;
+#if SY_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= inter; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -532,20 +602,71 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
             failed = 1;
             continue;
         }
-        float top = -INFINITY;
-        for (int p = 0; p < n; p++) {
-            scores[p] = dot_f32(qr, keys + (size_t)p * hd, hd) * scale;
-            top = scores[p] > top ? scores[p] : top;
+        float top = -INFINITY, total = 0.0f;
+        int p = 0;
+#if SY_AVX2
+        if (hd % 8 == 0) {
+            /* Scores of 8 positions at a time, their sums gathered in one vector. */
+            const __m256 sv = _mm256_set1_ps(scale);
+            __m256 tops = _mm256_set1_ps(-INFINITY);
+            for (; p + 8 <= n; p += 8) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qr + i);
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + i), acc[j]);
+                }
+                const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
+                _mm256_storeu_ps(scores + p, sc);
+                tops = _mm256_max_ps(tops, sc);
+            }
+            float t8[8];
+            _mm256_storeu_ps(t8, tops);
+            for (int j = 0; j < 8; j++) top = t8[j] > top ? t8[j] : top;
         }
-        float total = 0.0f;
-        for (int p = 0; p < n; p++) {
+#endif
+        for (int tail = p; tail < n; tail++) {
+            scores[tail] = dot_f32(qr, keys + (size_t)tail * hd, hd) * scale;
+            top = scores[tail] > top ? scores[tail] : top;
+        }
+        p = 0;
+#if SY_AVX2
+        {
+            const __m256 topv = _mm256_set1_ps(top);
+            __m256 sums = _mm256_setzero_ps();
+            for (; p + 8 <= n; p += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), topv));
+                _mm256_storeu_ps(scores + p, e);
+                sums = _mm256_add_ps(sums, e);
+            }
+            total = hsum(sums);
+        }
+#endif
+        for (; p < n; p++) {
             scores[p] = expf(scores[p] - top);
             total += scores[p];
         }
-        for (int i = 0; i < hd; i++) o[i] = 0.0f;
-        for (int p = 0; p < n; p++) {
+        int i0 = 0;
+#if SY_AVX2
+        /* The output in registers, 64 dimensions at a time: each o[i] gets the same
+           products, added in the same order, as in the loop below. */
+        for (; i0 + 64 <= hd; i0 += 64) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int p = 0; p < n; p++) {
+                const __m256 w = _mm256_set1_ps(scores[p] / total);
+                const float *v = values + (size_t)p * hd + i0;
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+            }
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+        }
+#endif
+        for (int i = i0; i < hd; i++) o[i] = 0.0f;
+        for (int p = 0; p < n && i0 < hd; p++) {
             const float w = scores[p] / total, *v = values + (size_t)p * hd;
-            for (int i = 0; i < hd; i++) o[i] += w * v[i];
+            for (int i = i0; i < hd; i++) o[i] += w * v[i];
         }
         if (scores != local) free(scores);
     }
