@@ -114,9 +114,11 @@ class StreamTaken(Exception):
         self.job_id = job_id
 
 
-# KEYS: owner key, stream key; ARGV: owner token, ttl, then the JSON payloads.
-# A missing owner key (Redis restarted without persistence) is taken again:
-# the writer that finds it first holds the stream, as the claim says it should.
+# KEYS: owner key, stream key, cancel key; ARGV: owner token, ttl, then the JSON
+# payloads. A missing owner key (Redis restarted without persistence) is taken
+# again: the writer that finds it first holds the stream, as the claim says it
+# should. Returns 0 when refused, 1 when written, 2 when written and a cancel of
+# the job is requested (the writer learns it in the same round trip).
 _FENCED_APPEND = """
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= ARGV[1] then return 0 end
@@ -126,6 +128,7 @@ for i = 3, #ARGV do
   redis.call('PUBLISH', KEYS[2], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[2])
+if redis.call('EXISTS', KEYS[3]) == 1 then return 2 end
 return 1
 """
 
@@ -169,15 +172,21 @@ class EventLog:
         """
         self.redis.set(self.owner_key(job_id), owner, ex=self.settings.stream_ttl_s)
 
-    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None:
-        """:meth:`append`, only while ``owner`` holds the stream; else :class:`StreamTaken`."""
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool:
+        """:meth:`append`, only while ``owner`` holds the stream; else :class:`StreamTaken`.
+
+        Returns whether a cancel of the job is requested (:meth:`cancel_requested`),
+        read in the same round trip: a writer that writes often need not ask apart.
+        """
         if not events:
-            return
+            return False
         payloads = [e.to_json() for e in events]
-        keys = [self.owner_key(job_id), self.channel(job_id)]
+        keys = [self.owner_key(job_id), self.channel(job_id), self.cancel_key(job_id)]
         args: list[str | int] = [owner, self.settings.stream_ttl_s, *payloads]
-        if not self.redis.eval(_FENCED_APPEND, 2, *keys, *args):
+        written = self.redis.eval(_FENCED_APPEND, 3, *keys, *args)
+        if not written:
             raise StreamTaken(job_id)
+        return int(written) == 2
 
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
         """Every stored event with ``seq > after``, in order, each seq once.

@@ -97,7 +97,7 @@ class JobStreams(Protocol):
     """The event log a runner writes and its cancel flags (:class:`tasks.events.EventLog`)."""
 
     def append(self, job_id: str, events: list[JobEvent]) -> None: ...
-    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None: ...
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool: ...
     def take(self, job_id: str, owner: str) -> None: ...
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]: ...
     def next_seq(self, job_id: str) -> int: ...
@@ -185,6 +185,10 @@ class _Stream:
     pending_ids: list[int] = field(default_factory=list)
     pending_since: float = 0.0
     held: list[JobEvent] = field(default_factory=list)
+    # Set by a fenced write, which reads the job's cancel request in the same round
+    # trip: whether one was seen, and whether one was read since the runner last looked.
+    cancel_seen: bool = False
+    cancel_read: bool = False
 
     def hold(self, kind: str, **fields: Any) -> None:
         """Number an event now and write it with the next write, in the same append."""
@@ -227,11 +231,13 @@ class _Stream:
             )
             return
         owner = self.owner
-        retry_redis(
+        cancel = retry_redis(
             self.job_id,
             "publish events",
             lambda: self.events.append_fenced(self.job_id, events, owner),
         )
+        self.cancel_read = True
+        self.cancel_seen = self.cancel_seen or cancel
 
 
 class JobRunner:
@@ -503,12 +509,17 @@ class JobRunner:
                 stream.flush()
                 self._requeue(job, stream)
                 return
+            if stream.cancel_seen and not user_cancelled:
+                user_cancelled = True  # read with the last write
+                handle.cancel()
             if now >= next_cancel_check:
                 next_cancel_check = now + CANCEL_POLL_S
+                # A write since the last look read the cancel request already.
+                read, stream.cancel_read = stream.cancel_read, False
                 if now >= deadline and not timed_out:
                     timed_out = True
                     handle.cancel()
-                elif self._cancel_requested(job.id):
+                elif not read and self._cancel_requested(job.id):
                     user_cancelled = True
                     handle.cancel()
 

@@ -114,12 +114,13 @@ class FakeStreams:
         self.logs.setdefault(job_id, []).extend(events)
         self.appends.append(list(events))
 
-    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> None:
+    def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool:
         if len(self.appends) == self.taken_after_appends:
             self.owners[job_id] = "a later attempt"
         if self.owners.get(job_id) != owner:
             raise StreamTaken(job_id)
         self.append(job_id, events)
+        return self.cancel_requested(job_id)  # read in the same round trip, as EventLog
 
     def take(self, job_id: str, owner: str) -> None:
         self.owners[job_id] = owner
