@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from fleet.registry import Heartbeat, WorkerReport
 from models.engine import Engine, GenerationRequest, RequestHandle
 from models.llama import StepInput
 from models.loader import load_model
-from tasks.events import EventLog, JobEvent
+from tasks.events import EventLog, JobEvent, StreamTaken
 from tests import farm
 from workers.runner import JobRunner
 
@@ -139,9 +140,10 @@ def test_a_drain_inside_a_multibyte_character_hands_over_whole_characters(
     writes: list[list[str]] = []  # the event types of each append, in order
     append_fenced = events.append_fenced
 
-    def recorded(job_id: str, batch: list[JobEvent], owner: str) -> None:
-        append_fenced(job_id, batch, owner)
+    def recorded(job_id: str, batch: list[JobEvent], owner: str) -> bool:
+        cancel = append_fenced(job_id, batch, owner)
         writes.append([e.type for e in batch])
+        return cancel
 
     monkeypatch.setattr(events, "append_fenced", recorded)
     watched = WatchedEngine(engine)
@@ -235,3 +237,23 @@ def test_a_drain_inside_a_multibyte_character_hands_over_whole_characters(
     job = jobs.get(job_id)
     assert job is not None and job.status == "succeeded" and job.attempts == 1
     assert job.output_text == ANSWER and job.completion_tokens == len(script)
+
+
+def test_a_fenced_write_reads_the_jobs_cancel_request_and_refuses_another_owner(
+    migrated: Settings,
+) -> None:
+    """The runner learns of a cancel from its writes (it polls only between them)."""
+    events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
+    job_id = str(uuid.uuid4())
+
+    def token(seq: int) -> list[JobEvent]:
+        return [JobEvent(seq=seq, type="token", fields={"text": "x", "ids": [1]})]
+
+    events.take(job_id, "attempt-1")
+    assert events.append_fenced(job_id, token(1), "attempt-1") is False
+    events.request_cancel(job_id)
+    assert events.append_fenced(job_id, token(2), "attempt-1") is True
+    events.take(job_id, "attempt-2")
+    with pytest.raises(StreamTaken):
+        events.append_fenced(job_id, token(3), "attempt-1")
+    assert [e.seq for e in events.history(job_id)] == [1, 2]
