@@ -41,7 +41,6 @@ from config.logs import configure_logging
 from db.accounts import Accounts
 from db.jobs import JobStore
 from db.session import Database
-from tasks import configure
 from tasks.events import EventLog
 
 # Redis connections per API process (redis-py's default bound), and the longest
@@ -99,7 +98,6 @@ def create_app(settings: Settings | None = None) -> Flask:
         redis=client,
         events=events,
         hub=RelayHub(client, events, settings),
-        celery=configure(settings),
         caps=StreamCaps(client, settings),
     )
     request_ids.init_app(app)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, cast
 
+import redis
 from flask import Blueprint, Response, jsonify, request
-from kombu.exceptions import OperationalError as BrokerError
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
 from sqlalchemy.exc import SQLAlchemyError
@@ -65,9 +65,9 @@ from db.jobs import EXPIRED, DuplicateIdempotencyKey
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
 from fleet.scaler_state import wake_if_idle
-from tasks.celery import GENERATE_TASK
 from tasks.events import JobEvent, usage
 from tasks.joblog import log_job_event
+from tasks.messages import queue_generate
 from tasks.queues import queue_name
 
 log = logging.getLogger(__name__)
@@ -278,10 +278,12 @@ def submit_job(
         raise
     log_job_event("submitted", job)
     try:
-        svc.events.append(job_id, [JobEvent(seq=0, type="queued", fields={"model": req.model})])
-        svc.celery.send_task(
-            GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue_name(req.model)
-        )
+        # The `queued` event and the message in one round trip, all or nothing.
+        pipe = svc.redis.pipeline(transaction=True)
+        queued = JobEvent(seq=0, type="queued", fields={"model": req.model})
+        svc.events.append_to(pipe, job_id, [queued])
+        queue_generate(pipe, job_id, req.model)
+        pipe.execute()
         log_job_event("queued", job, queue=queue_name(req.model))
     except Exception as exc:  # broker or Redis down: nothing was accepted
         log_job_event("failed", job, error=f"not enqueued: {type(exc).__name__}; not kept")
@@ -292,7 +294,7 @@ def submit_job(
             if reserved:
                 limiter.release_slot(caller, job_id)
             limiter.refund_request(caller, admission)
-        if isinstance(exc, (BrokerError, OSError)) or "redis" in type(exc).__module__:
+        if isinstance(exc, (redis.RedisError, OSError)):
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         raise
     # A model at zero starts a worker now: at most one check (and wake-up) per

@@ -65,7 +65,7 @@ def list_all_workers() -> Response:
 
 
 def _reaper_of(svc: Services) -> Reaper:
-    return Reaper(svc.settings, svc.jobs, svc.events, svc.redis, svc.celery)
+    return Reaper(svc.settings, svc.jobs, svc.events, svc.redis)
 
 
 def init_app(app: Flask, svc: Services) -> None:

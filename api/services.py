@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import redis
-from celery import Celery
 from flask import current_app
 
 from api.streamcaps import StreamCaps
@@ -45,7 +44,6 @@ class Services:
     redis: redis.Redis
     events: EventLog
     hub: RelayHub
-    celery: Celery
     caps: StreamCaps
     rows: RowCache = field(default_factory=RowCache)
     background: list[Background] = field(default_factory=list)

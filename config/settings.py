@@ -345,9 +345,9 @@ class Settings(BaseModel):
     task_events: bool = Field(
         default=True,
         description=(
-            "Workers send Celery's task events and event heartbeats, and the API its "
-            "task-sent events, so Flower (or `celery events`) on the same broker sees the "
-            "workers and their jobs; off: none are sent."
+            "Workers send Celery's task events and event heartbeats, so Flower (or "
+            "`celery events`) on the same broker sees the workers and their jobs (from "
+            "task-received on; the API sends no task-sent events); off: none are sent."
         ),
     )
     history_retention_s: int = Field(

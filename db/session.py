@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -48,12 +50,43 @@ def prepare_sqlite_file(url: str) -> None:
         os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
+PING_IDLE_S = 1.0
+"""A pooled connection idle this long is pinged before use (seconds)."""
+
+
+def _mark_checkin(_dbapi_connection: Any, record: Any) -> None:
+    record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+    """Ping a connection that sat idle in the pool; a dead one is replaced.
+
+    SQLAlchemy's ``pool_pre_ping`` pings on every checkout: a round trip and
+    about 0.2 ms of CPU per transaction, a third of a job insert's. A
+    connection in steady use is not pinged: if the server went away under
+    it, the statement fails, SQLAlchemy sees the disconnect and drops every
+    older connection of the pool, and the next checkout connects afresh.
+    Raising ``DisconnectionError`` here makes the pool retry with a new one.
+    """
+    idle_since = record.info.get("idle_since")
+    if idle_since is None or time.monotonic() - idle_since < PING_IDLE_S:
+        return
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+    except Exception as exc:
+        raise DisconnectionError(f"pooled connection is dead: {exc}") from exc
+
+
 class Database:
     """A SQLAlchemy engine plus a session factory; one per process."""
 
     def __init__(self, url: str, *, pool_size: int = 10, max_overflow: int = 40) -> None:
         self.url = url
-        kwargs: dict[str, Any] = {"pool_pre_ping": True, "future": True}
+        kwargs: dict[str, Any] = {"future": True}
         if url.startswith("sqlite"):
             prepare_sqlite_file(url)
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 10}
@@ -74,6 +107,9 @@ class Database:
         self.engine: Engine = create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            event.listen(self.engine, "checkin", _mark_checkin)
+            event.listen(self.engine, "checkout", _ping_if_idle)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import redis
-from celery import Celery
 from sqlalchemy import exc as sa_exc
 
 from config import Settings
@@ -84,13 +83,11 @@ class Reaper:
         jobs: JobStore,
         events: EventLog,
         client: redis.Redis,
-        celery: Celery,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
         self.events = events
         self.redis = client
-        self.celery = celery
         self.broker = BrokerView(client)
         self.metrics = MetricsStore(client, settings)
         self.history = HistoryStore(jobs.db)
@@ -185,7 +182,7 @@ class Reaper:
         batch.inc(m.JOB_RESTARTS, {**labels, "reason": metric})
         batch.commit()
         try:
-            send_generate(self.celery, job.id, job.model)
+            send_generate(self.redis, job.id, job.model)
         except Exception as exc:  # the row is queued: the reconciler sends it later
             log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
         log_job_event("retried", job, worker=worker, reason=reason)
@@ -235,7 +232,7 @@ class Reaper:
                 job = self.jobs.get(job_id)
                 if job is None or job.status != "queued":
                     continue
-                send_generate(self.celery, job_id, model)
+                send_generate(self.redis, job_id, model)
                 batch = self.metrics.batch()
                 batch.inc(m.JOBS_RESENT, {"model": model})
                 batch.commit()

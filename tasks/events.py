@@ -151,14 +151,18 @@ class EventLog:
         """Write events to the stream and publish them, in one round trip."""
         if not events:
             return
-        key = self.channel(job_id)
         pipe = self.redis.pipeline(transaction=False)
+        self.append_to(pipe, job_id, events)
+        pipe.execute()
+
+    def append_to(self, pipe: redis.client.Pipeline, job_id: str, events: list[JobEvent]) -> None:
+        """Add :meth:`append`'s commands to ``pipe``: they run when it is executed."""
+        key = self.channel(job_id)
         for event in events:
             payload = event.to_json()
             pipe.xadd(key, {"e": payload})
             pipe.publish(key, payload)
         pipe.expire(key, self.settings.stream_ttl_s)
-        pipe.execute()
 
     def owner_key(self, job_id: str) -> str:
         return self.settings.key("owner", job_id)

@@ -106,7 +106,6 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     from db.jobs import JobStore
     from db.session import Database
     from fleet.reaper import Reaper, ReaperLoop
-    from tasks import configure
     from tasks.events import EventLog
 
     settings = _settings()
@@ -115,9 +114,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     db = Database(settings.database_url)
 
     def make() -> Reaper:
-        return Reaper(
-            settings, JobStore(db), EventLog(client, settings), client, configure(settings)
-        )
+        return Reaper(settings, JobStore(db), EventLog(client, settings), client)
 
     try:
         if args.once:

@@ -65,10 +65,9 @@ def reaper_hook(settings: Settings, db: Any, client: Any) -> Callable[[], Any]:
     """
     from db.jobs import JobStore
     from fleet.reaper import Reaper
-    from tasks import configure
     from tasks.events import EventLog
 
-    reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client, configure(settings))
+    reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client)
     return reaper.sweep
 
 

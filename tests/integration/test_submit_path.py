@@ -1,0 +1,101 @@
+"""The submit path's shortcuts against real Redis and Postgres (issue 13).
+
+The API writes Celery's message itself (``tasks.messages``), in the same
+round trip as the job's ``queued`` event; and the database pool pings a
+connection only after it sat idle. Each shortcut must behave as what it
+replaces: the message as ``Celery.send_task``'s, a dead connection replaced.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from typing import Any, cast
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
+
+import db.session
+from config import Settings
+from db.session import Database
+from tasks import configure
+from tasks.celery import GENERATE_TASK
+from tasks.messages import send_generate
+from tasks.queues import queue_name
+
+
+def _decoded(raw: bytes) -> dict[str, Any]:
+    message = cast(dict[str, Any], json.loads(raw))
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message
+
+
+def test_the_generate_message_is_the_one_celery_send_task_writes(migrated: Settings) -> None:
+    client = redis.Redis.from_url(migrated.redis_url)
+    model = f"msg-{uuid.uuid4().hex[:8]}"
+    queue = queue_name(model)
+    job_id = str(uuid.uuid4())
+    try:
+        configure(migrated).send_task(GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue)
+        send_generate(client, job_id, model)
+        ours, celerys = (cast(bytes, client.lpop(queue)) for _ in range(2))
+        assert client.llen(queue) == 0
+    finally:
+        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    mine, theirs = _decoded(ours), _decoded(celerys)
+    # A fresh delivery tag each; Celery names its reply queue (results, which jobs have none).
+    for message in (mine, theirs):
+        assert uuid.UUID(message["properties"].pop("delivery_tag"))
+        message["properties"].pop("reply_to")
+    assert mine == theirs
+    assert mine["headers"]["id"] == job_id and mine["body"][0] == [job_id]
+
+
+def _backend_pid(database: Database) -> int:
+    with database.engine.connect() as conn:
+        return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _terminate(url: str, pid: int) -> None:
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    finally:
+        admin.dispose()
+
+
+def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(
+    migrated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db.session, "PING_IDLE_S", 0.05)
+    database = Database(migrated.database_url, pool_size=1, max_overflow=0)
+    try:
+        first = _backend_pid(database)
+        _terminate(migrated.database_url, first)
+        time.sleep(0.1)
+        assert _backend_pid(database) != first  # no error: the ping found it dead
+    finally:
+        database.dispose()
+
+
+def test_a_connection_killed_in_steady_use_fails_one_statement_then_the_pool_renews(
+    migrated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db.session, "PING_IDLE_S", 3600.0)
+    database = Database(migrated.database_url, pool_size=2, max_overflow=0)
+    try:
+        with database.engine.connect() as a, database.engine.connect() as b:  # two in the pool
+            pids = {int(c.execute(text("SELECT pg_backend_pid()")).scalar_one()) for c in (a, b)}
+        for pid in pids:
+            _terminate(migrated.database_url, pid)
+        with pytest.raises(OperationalError):
+            _backend_pid(database)
+        # The disconnect dropped every older connection: the next checkout connects afresh.
+        assert _backend_pid(database) not in pids
+    finally:
+        database.dispose()
