@@ -594,6 +594,7 @@ def _start(farm: LoadFarm) -> None:
     from bench.farm import wait_http, wait_worker_ready
     from config.settings import PROJECT_ROOT
 
+    farm.clear_leftovers()
     conf = str(PROJECT_ROOT / "api" / "gunicorn_conf.py")
     farm.api = Child(
         "api",

@@ -203,27 +203,7 @@ class LoadFarm:
         )
 
     def start(self) -> None:
-        from sqlalchemy import update
-
-        from db.schema import Job, JobStatus, utcnow
-        from db.session import Database
-        from tasks.messages import queue_keys
-
-        # What an earlier run left in the bench's own models (a capacity run's
-        # submit phase queues thousands of jobs no worker takes; an interrupted
-        # run leaves more) would come before this run's messages and fill the
-        # queue's limit: those jobs are cancelled and their messages dropped.
-        db = Database(self.settings.database_url)
-        try:
-            with db.session() as s:
-                s.execute(
-                    update(Job)
-                    .where(Job.model.in_(MODELS), Job.status == JobStatus.queued.value)
-                    .values(status=JobStatus.cancelled.value, finished_at=utcnow())
-                )
-        finally:
-            db.dispose()
-        self.redis.delete(*(key for model in MODELS for key in queue_keys(model)))
+        self.clear_leftovers()
         self.api = start_api(self.env, self.api_threads, self.log_dir)
         for model in MODELS:
             for i in range(self.per_model):
@@ -235,6 +215,32 @@ class LoadFarm:
         for model, children in self.workers.items():
             for child in children:
                 wait_worker_ready(self.settings, model, child)
+
+    def clear_leftovers(self) -> None:
+        """Cancel what an earlier run left queued for the bench's models; drop its messages.
+
+        A capacity run's submit phase queues thousands of jobs no worker takes;
+        an interrupted run leaves more. Left there, they would come before this
+        run's messages and fill the queue's limit (the queues are named after
+        the models, not the run's Redis prefix).
+        """
+        from sqlalchemy import update
+
+        from db.schema import Job, JobStatus, utcnow
+        from db.session import Database
+        from tasks.messages import queue_keys
+
+        db = Database(self.settings.database_url)
+        try:
+            with db.session() as s:
+                s.execute(
+                    update(Job)
+                    .where(Job.model.in_(MODELS), Job.status == JobStatus.queued.value)
+                    .values(status=JobStatus.cancelled.value, finished_at=utcnow())
+                )
+        finally:
+            db.dispose()
+        self.redis.delete(*(key for model in MODELS for key in queue_keys(model)))
 
     def stop(self) -> None:
         for children in self.workers.values():
