@@ -4,19 +4,23 @@ libgomp (PyTorch's and the engine's kernels' OpenMP) lets a thread that waits
 at a barrier spin 300,000 times before it sleeps. A worker shares its cores
 with its job threads, the API, Redis and the clients: when one of the
 engine's two threads is preempted, the other spins on its core for the whole
-wait instead of leaving it to the preempted one. With 2,000 spins it sleeps
-after a few microseconds, and the kernel moves the waiting thread onto the
-freed core. Measured with ``python -m bench`` on 2 cores (SmolLM2-135M, tok/s of
-the farm at 8 / 16 clients): default 188 / 205, 100,000 spins 275 / 370,
-20,000 spins 314 / 326, 2,000 spins 315 / 358; the bare engine's did not
-change (433 / 509 at 2,000 against 401 / 515).
+wait instead of leaving it to the preempted one. Too few spins cost the
+other way: a thread that sleeps at every barrier must be woken at the next
+one, and a decoding step has about 300 of them (a few per layer).
+
+Measured with ``python -m bench`` on 2 cores (SmolLM2-135M, tok/s of the farm
+at 8 / 16 clients). With the engine of 2026-11 (slower steps): default
+188 / 205, 100,000 spins 275 / 370, 20,000 spins 314 / 326, 2,000 spins
+315 / 358. With the panel kernels (2026-12-01, Zen 4, two runs each, taken
+in turn): 2,000 spins 296 / 366 and 307 / 357, 30,000 spins 347 / 407 and
+329 / 382, 200,000 spins 341 / 369.
 """
 
 from __future__ import annotations
 
 import os
 
-SPIN_COUNT = 2000
+SPIN_COUNT = 30000
 
 
 def spin_briefly() -> None:
