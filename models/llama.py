@@ -276,7 +276,7 @@ class LlamaRuntime:
         Writes the keys and values of every token of the step into its slot
         at its position; the caller has made the cache long enough.
         """
-        if self.native_layers is not None and not step.chunks:
+        if self.native_layers is not None:
             return self._forward_layers_native(step, cache)
         n_decode = len(step.decode_slots)
         tokens = step.token_ids.shape[0]
@@ -340,18 +340,25 @@ class LlamaRuntime:
         return self.lm_head(last).float()
 
     def _forward_layers_native(self, step: StepInput, cache: SlotCache) -> torch.Tensor:
-        """A step of decoding rows only, every layer in one call to ``qgemm.c``
-        (:meth:`models.native.Ops.decode_layers`): the same kernels in the same order
-        as :meth:`forward`'s loop, without Python between them."""
+        """A step, every layer in one call to ``qgemm.c``
+        (:meth:`models.native.Ops.decode_layers`), without Python between the kernels.
+
+        A prompt token being prefilled is a row like a decoding one: its keys and
+        values are stored at its position with every row's before any row attends,
+        and it attends its slot's positions up to its own (causal). So each token's
+        bits are those of the same token decoded alone: they depend neither on the
+        batch nor on how the prompt was cut into chunks.
+        """
         assert self.ops is not None and self.native_layers is not None
         x = self.embed.index_select(0, step.token_ids)
         delta = torch.empty_like(x)
+        slots = [*step.decode_slots, *(c.slot for c in step.chunks for _ in range(c.length))]
         self.ops.decode_layers(
             self.native_layers,
             cache.kv,
             x,
             delta,
-            torch.tensor(step.decode_slots, dtype=torch.long),
+            torch.tensor(slots, dtype=torch.long),
             step.positions,
             self.heads,
             self.kv_heads,

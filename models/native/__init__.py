@@ -327,8 +327,8 @@ class Ops:
         freqs: torch.Tensor,
         scale: float,
     ) -> None:
-        """Every layer of a step of decoding rows (one token per row, in ``slots`` at
-        ``positions``): ``x`` (``[rows, hidden]``, float32, contiguous) updated in
+        """Every layer of a step of rows (one token per row, decoding or prefilled, in
+        ``slots`` at ``positions``, each attending its slot up to its position): ``x`` (``[rows, hidden]``, float32, contiguous) updated in
         place, ``delta`` set to the last layer's MLP output (not added to ``x``).
         ``kv`` is the cache's tensor per layer (``[slots, 2 * kv_heads, length, hd]``)."""
         rows, hidden = x.shape

@@ -573,6 +573,29 @@ static float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
+/* scores[p] = exp(scores[p] - top) for p < n; returns their sum. */
+static float softmax_numerators(float *scores, int n, float top) {
+    float total = 0.0f;
+    int p = 0;
+#if SY_AVX2
+    {
+        const __m256 topv = _mm256_set1_ps(top);
+        __m256 sums = _mm256_setzero_ps();
+        for (; p + 8 <= n; p += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), topv));
+            _mm256_storeu_ps(scores + p, e);
+            sums = _mm256_add_ps(sums, e);
+        }
+        total = hsum(sums);
+    }
+#endif
+    for (; p < n; p++) {
+        scores[p] = expf(scores[p] - top);
+        total += scores[p];
+    }
+    return total;
+}
+
 /*
  * Attention of one query per row over its slot of the KV cache.
  *
@@ -581,95 +604,187 @@ static float dot_f32(const float *a, const float *b, int n) {
  * positions 0 .. lengths[r] - 1 of slot slots[r]; out: [rows, heads, hd].
  * Each (row, head) is computed alone, in the same order whatever the batch.
  * Returns 0, or -1 if out of memory.
+ *
+ * Rows of one slot at consecutive positions (a prompt being prefilled) are
+ * attended ATT_ROWS at a time: their keys and values are read a tile of
+ * ATT_TILE positions at a time, once for all of them, instead of once per row
+ * (at 2,000 positions a row's keys and values are about 1 MB a head). Each
+ * row's scores, sums and outputs are still computed by the same operations in
+ * the same order as for a row alone: only the loops are interleaved.
  */
+#define ATT_ROWS 8
+#define ATT_TILE 64
+
+/* One (row, head), as described above. Returns 0, or -1 if out of memory. */
+static int attend_one(const float *qr, const float *keys, const float *values, int n, int hd,
+                      float scale, float *o) {
+    float local[1024];
+    float *scores = n <= 1024 ? local : malloc(sizeof(float) * (size_t)n);
+    if (!scores) return -1;
+    float top = -INFINITY, total = 0.0f;
+    int p = 0;
+#if SY_AVX2
+    if (hd % 8 == 0) {
+        /* Scores of 8 positions at a time, their sums gathered in one vector. */
+        const __m256 sv = _mm256_set1_ps(scale);
+        __m256 tops = _mm256_set1_ps(-INFINITY);
+        for (; p + 8 <= n; p += 8) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int i = 0; i < hd; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qr + i);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + i), acc[j]);
+            }
+            const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
+            _mm256_storeu_ps(scores + p, sc);
+            tops = _mm256_max_ps(tops, sc);
+        }
+        float t8[8];
+        _mm256_storeu_ps(t8, tops);
+        for (int j = 0; j < 8; j++) top = t8[j] > top ? t8[j] : top;
+    }
+#endif
+    for (int tail = p; tail < n; tail++) {
+        scores[tail] = dot_f32(qr, keys + (size_t)tail * hd, hd) * scale;
+        top = scores[tail] > top ? scores[tail] : top;
+    }
+    total = softmax_numerators(scores, n, top);
+    int i0 = 0;
+#if SY_AVX2
+    /* The output in registers, 64 dimensions at a time: each o[i] gets the same
+       products, added in the same order, as in the loop below. */
+    for (; i0 + 64 <= hd; i0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int p = 0; p < n; p++) {
+            const __m256 w = _mm256_set1_ps(scores[p] / total);
+            const float *v = values + (size_t)p * hd + i0;
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+    }
+#endif
+    for (int i = i0; i < hd; i++) o[i] = 0.0f;
+    for (int p = 0; p < n && i0 < hd; p++) {
+        const float w = scores[p] / total, *v = values + (size_t)p * hd;
+        for (int i = i0; i < hd; i++) o[i] += w * v[i];
+    }
+    if (scores != local) free(scores);
+    return 0;
+}
+
+#if SY_AVX2
+/*
+ * nr (<= ATT_ROWS) rows of one slot, one head: qs[i], ns[i] and os[i] are row
+ * i's query, length and output; hd a multiple of 64. The operations of
+ * attend_one for each row, in its order, with the keys and values read a tile
+ * at a time for all rows. Returns 0, or -1 if out of memory.
+ */
+static int attend_rows(const float *const *qs, const int *ns, float *const *os, int nr,
+                       const float *keys, const float *values, int hd, float scale) {
+    int nmax = 0, all = 0;
+    for (int i = 0; i < nr; i++) nmax = ns[i] > nmax ? ns[i] : nmax, all += ns[i];
+    float *buffer = malloc(sizeof(float) * (size_t)all);
+    if (!buffer) return -1;
+    float *scores[ATT_ROWS], total[ATT_ROWS];
+    __m256 tops[ATT_ROWS];
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int i = 0, at = 0; i < nr; at += ns[i], i++) {
+        scores[i] = buffer + at;
+        tops[i] = _mm256_set1_ps(-INFINITY);
+    }
+    for (int t0 = 0; t0 < nmax; t0 += ATT_TILE) {
+        for (int i = 0; i < nr; i++) {
+            const int end = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
+            for (int p = t0; p + 8 <= end; p += 8) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int d = 0; d < hd; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qs[i] + d);
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + d), acc[j]);
+                }
+                const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
+                _mm256_storeu_ps(scores[i] + p, sc);
+                tops[i] = _mm256_max_ps(tops[i], sc);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const int n = ns[i];
+        float top = -INFINITY, t8[8];
+        _mm256_storeu_ps(t8, tops[i]);
+        for (int j = 0; j < 8; j++) top = t8[j] > top ? t8[j] : top;
+        for (int tail = n / 8 * 8; tail < n; tail++) {
+            scores[i][tail] = dot_f32(qs[i], keys + (size_t)tail * hd, hd) * scale;
+            top = scores[i][tail] > top ? scores[i][tail] : top;
+        }
+        total[i] = softmax_numerators(scores[i], n, top);
+        for (int d = 0; d < hd; d++) os[i][d] = 0.0f;
+    }
+    for (int t0 = 0; t0 < nmax; t0 += ATT_TILE) {
+        for (int i = 0; i < nr; i++) {
+            const int end = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
+            for (int i0 = 0; i0 < hd && t0 < end; i0 += 64) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(os[i] + i0 + 8 * j);
+                for (int p = t0; p < end; p++) {
+                    const __m256 w = _mm256_set1_ps(scores[i][p] / total[i]);
+                    const float *v = values + (size_t)p * hd + i0;
+                    for (int j = 0; j < 8; j++)
+                        acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+                }
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(os[i] + i0 + 8 * j, acc[j]);
+            }
+        }
+    }
+    free(buffer);
+    return 0;
+}
+#endif
+
 int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int kv_heads, int hd,
                         const float *kv, int length, const int64_t *slots,
                         const int64_t *lengths, float scale, float *out) {
     const int group = heads / kv_heads;
     const size_t head_size = (size_t)length * hd, slot_size = 2 * (size_t)kv_heads * head_size;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 4) if (rows * heads > 4)
-    for (int task = 0; task < rows * heads; task++) {
-        const int r = task / heads, h = task % heads, g = h / group;
-        const int n = (int)lengths[r];
-        const float *qr = q + (size_t)r * q_stride + (size_t)h * hd;
-        const float *keys = kv + (size_t)slots[r] * slot_size + (size_t)g * head_size;
-        const float *values = keys + (size_t)kv_heads * head_size;
-        float *o = out + ((size_t)r * heads + h) * hd;
-        float local[1024];
-        float *scores = n <= 1024 ? local : malloc(sizeof(float) * (size_t)n);
-        if (!scores) {
-            failed = 1;
-            continue;
-        }
-        float top = -INFINITY, total = 0.0f;
-        int p = 0;
-#if SY_AVX2
-        if (hd % 8 == 0) {
-            /* Scores of 8 positions at a time, their sums gathered in one vector. */
-            const __m256 sv = _mm256_set1_ps(scale);
-            __m256 tops = _mm256_set1_ps(-INFINITY);
-            for (; p + 8 <= n; p += 8) {
-                __m256 acc[8];
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-                for (int i = 0; i < hd; i += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qr + i);
-                    for (int j = 0; j < 8; j++)
-                        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + i), acc[j]);
-                }
-                const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
-                _mm256_storeu_ps(scores + p, sc);
-                tops = _mm256_max_ps(tops, sc);
-            }
-            float t8[8];
-            _mm256_storeu_ps(t8, tops);
-            for (int j = 0; j < 8; j++) top = t8[j] > top ? t8[j] : top;
-        }
-#endif
-        for (int tail = p; tail < n; tail++) {
-            scores[tail] = dot_f32(qr, keys + (size_t)tail * hd, hd) * scale;
-            top = scores[tail] > top ? scores[tail] : top;
-        }
-        p = 0;
-#if SY_AVX2
-        {
-            const __m256 topv = _mm256_set1_ps(top);
-            __m256 sums = _mm256_setzero_ps();
-            for (; p + 8 <= n; p += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), topv));
-                _mm256_storeu_ps(scores + p, e);
-                sums = _mm256_add_ps(sums, e);
-            }
-            total = hsum(sums);
-        }
-#endif
-        for (; p < n; p++) {
-            scores[p] = expf(scores[p] - top);
-            total += scores[p];
-        }
-        int i0 = 0;
-#if SY_AVX2
-        /* The output in registers, 64 dimensions at a time: each o[i] gets the same
-           products, added in the same order, as in the loop below. */
-        for (; i0 + 64 <= hd; i0 += 64) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int p = 0; p < n; p++) {
-                const __m256 w = _mm256_set1_ps(scores[p] / total);
-                const float *v = values + (size_t)p * hd + i0;
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
-            }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
-        }
-#endif
-        for (int i = i0; i < hd; i++) o[i] = 0.0f;
-        for (int p = 0; p < n && i0 < hd; p++) {
-            const float w = scores[p] / total, *v = values + (size_t)p * hd;
-            for (int i = i0; i < hd; i++) o[i] += w * v[i];
-        }
-        if (scores != local) free(scores);
+    /* Runs of up to ATT_ROWS rows of one slot at consecutive positions. */
+    int *starts = malloc(sizeof(int) * ((size_t)rows + 1));
+    if (!starts) return -1;
+    int runs = 0;
+    for (int r = 0; r < rows; r++) {
+        const int joins = SY_AVX2 && hd % 64 == 0 && r > 0 && r - starts[runs - 1] < ATT_ROWS &&
+                          slots[r] == slots[r - 1] && lengths[r] == lengths[r - 1] + 1;
+        if (!joins) starts[runs++] = r;
     }
+    starts[runs] = rows;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (rows * heads > 4)
+    for (int task = 0; task < runs * heads; task++) {
+        const int run = task / heads, h = task % heads, g = h / group;
+        const int r0 = starts[run], nr = starts[run + 1] - r0;
+        const float *keys = kv + (size_t)slots[r0] * slot_size + (size_t)g * head_size;
+        const float *values = keys + (size_t)kv_heads * head_size;
+        const float *qs[ATT_ROWS];
+        float *os[ATT_ROWS];
+        int ns[ATT_ROWS];
+        for (int i = 0; i < nr; i++) {
+            qs[i] = q + (size_t)(r0 + i) * q_stride + (size_t)h * hd;
+            os[i] = out + ((size_t)(r0 + i) * heads + h) * hd;
+            ns[i] = (int)lengths[r0 + i];
+        }
+        int status;
+#if SY_AVX2
+        if (nr > 1)
+            status = attend_rows(qs, ns, os, nr, keys, values, hd, scale);
+        else
+#endif
+            status = attend_one(qs[0], keys, values, ns[0], hd, scale, os[0]);
+        if (status) failed = 1;
+    }
+    free(starts);
     return failed ? -1 : 0;
 }
 
@@ -729,10 +844,13 @@ static int matmul(const sy_matrix *w, const float *x, int rows, float *y) {
 }
 
 /*
- * Every layer of a step of decoding rows only (one token each, in slot slots[r]
- * at position positions[r], attending positions 0 .. lengths[r] - 1): the same
- * calls, in the same order, as LlamaRuntime.forward makes one by one, without
- * a trip through Python between them. x [rows, hidden] is the residual stream,
+ * Every layer of a step of rows (one token each, in slot slots[r] at position
+ * positions[r], attending positions 0 .. lengths[r] - 1): the same calls, in
+ * the same order, as LlamaRuntime.forward makes one by one, without a trip
+ * through Python between them. A prompt token being prefilled is a row like a
+ * decoding one: every row's keys and values are stored (sy_rope_store) before
+ * any row attends, so each attends its slot causally, and its bits are those
+ * of the same token decoded alone. x [rows, hidden] is the residual stream,
  * updated in place; delta [rows, hidden] receives the last layer's MLP output,
  * not yet added to x (as forward leaves it). Returns 0, -1 if out of memory,
  * -2 without panels.

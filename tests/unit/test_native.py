@@ -167,6 +167,50 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
                 runtime.native_layers = fused
 
 
+def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> None:
+    """With every layer in one call, a prompt's tokens are rows like decoding ones: one
+    chunk, two chunks beside a decoding row, or one token a step give the same logits
+    and the same cache, to the bit; and the same function as the layer-by-layer path."""
+    model = _tiny_llama()
+    with torch.inference_mode():
+        runtime = LlamaRuntime(model, quantization="int4")
+        if runtime.native_layers is None:
+            pytest.skip("no panels on this CPU: prefill runs layer by layer")
+        prompt = [5, 9, 2, 77, 31, 4, 8]
+        n = len(prompt)
+        cache = runtime.new_cache(5, 64)
+        cache.ensure(32)
+
+        def run(decode_slots: list[int], chunks: list[Chunk], ids: list[int]) -> torch.Tensor:
+            positions = [n for _ in decode_slots] + [
+                c.start + i for c in chunks for i in range(c.length)
+            ]
+            step = StepInput(
+                torch.tensor(ids), torch.tensor(positions), decode_slots, chunks, [len(ids) - 1]
+            )
+            return runtime.forward(step, cache)[0]
+
+        whole = run([], [Chunk(0, 0, n)], prompt)
+        run([], [Chunk(4, 0, n)], prompt)  # slot 4: a sequence decoding beside slot 1's
+        run([], [Chunk(1, 0, 3)], prompt[:3])
+        split = run([4], [Chunk(1, 3, n - 3)], [12, *prompt[3:]])
+        for position, token in enumerate(prompt):
+            step = StepInput(torch.tensor([token]), torch.tensor([position]), [2], [], [0])
+            alone = runtime.forward(step, cache)[0]
+        assert torch.equal(split, whole) and torch.equal(alone, whole)
+        for layer_kv in cache.kv:
+            assert torch.equal(layer_kv[1, :, :n], layer_kv[0, :, :n])
+            assert torch.equal(layer_kv[2, :, :n], layer_kv[0, :, :n])
+        fused = runtime.native_layers
+        runtime.native_layers = None
+        try:
+            torch.testing.assert_close(
+                run([], [Chunk(3, 0, n)], prompt), whole, rtol=1e-4, atol=1e-4
+            )
+        finally:
+            runtime.native_layers = fused
+
+
 def test_without_a_compiler_the_runtime_keeps_pytorchs_int4_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
