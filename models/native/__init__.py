@@ -328,8 +328,9 @@ class Ops:
         scale: float,
     ) -> None:
         """Every layer of a step of rows (one token per row, decoding or prefilled, in
-        ``slots`` at ``positions``, each attending its slot up to its position): ``x`` (``[rows, hidden]``, float32, contiguous) updated in
-        place, ``delta`` set to the last layer's MLP output (not added to ``x``).
+        ``slots`` at ``positions``, each attending its slot up to its position):
+        ``x`` (``[rows, hidden]``, float32, contiguous) updated in place, ``delta``
+        set to the last layer's MLP output (not added to ``x``).
         ``kv`` is the cache's tensor per layer (``[slots, 2 * kv_heads, length, hd]``)."""
         rows, hidden = x.shape
         hd = kv[0].shape[-1]
