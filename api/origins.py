@@ -9,6 +9,14 @@ websocket handshake, or a POST/PUT/PATCH/DELETE, is refused with 403 before
 any route runs — so a page on another site cannot make its visitors' browsers
 submit jobs or read streams.
 
+An API that listens on a loopback address (``make run``'s default) counts as
+its own origin only under a loopback name (``localhost``, ``127.0.0.1``,
+``[::1]``, ``*.localhost``): a page whose own name was re-pointed at
+127.0.0.1 after it loaded (DNS rebinding) sends ``Host`` and ``Origin`` that
+agree with each other, and would otherwise pass as the API's own page. An API
+listening on other addresses serves whatever names its proxy or DNS give it,
+so there ``Host`` is taken as it comes.
+
 For the allowed other origins the answers carry CORS headers (with
 preflights, which Flask answers for every route), so a web app served from
 elsewhere can call the API with its token. Tokens travel in headers, never
@@ -17,6 +25,7 @@ cookies, so credentials are never allowed.
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import urlsplit
 
 from flask import Flask, Response, request
@@ -31,13 +40,36 @@ CORS_EXPOSE_HEADERS = "Retry-After, Location, X-Request-ID"
 CORS_MAX_AGE_S = 600
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address (no port, no brackets) is this machine's loopback."""
+    name = name.lower().rstrip(".")
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host: str) -> str:
+    """``Host``'s name without its port (and an IPv6 address without brackets)."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 def same_origin(origin: str) -> bool:
-    """Whether ``origin`` names this API's own host and port."""
+    """Whether ``origin`` names this API's own host and port (module docstring)."""
     try:
         netloc = urlsplit(origin).netloc
     except ValueError:
         return False
-    return bool(netloc) and netloc.lower() == request.host.lower()
+    if not netloc or netloc.lower() != request.host.lower():
+        return False
+    return not is_loopback(services().settings.api_host) or is_loopback(_host_name(request.host))
 
 
 def allowed_other_origin(origin: str) -> bool:

@@ -88,13 +88,17 @@ def test_json_with_a_charset_or_a_json_suffix_is_accepted(api_url: str, admin_to
 # --- Origin and CORS ------------------------------------------------------------------------
 
 
-def _ws(api_url: str, path: str, origin: str | None, token: str) -> websocket.WebSocket:
+def _ws(
+    api_url: str, path: str, origin: str | None, token: str, host: str | None = None
+) -> websocket.WebSocket:
     url = api_url.replace("http", "ws", 1) + path
     options: dict[str, Any] = {"header": [f"Authorization: Bearer {token}"], "timeout": 30}
     if origin is None:
         options["suppress_origin"] = True
     else:
         options["origin"] = origin
+    if host is not None:
+        options["host"] = host
     return websocket.create_connection(url, **options)
 
 
@@ -110,6 +114,33 @@ def test_websockets_from_another_origin_are_refused(api_url: str, user_token: st
             assert json.loads(ws.recv())["type"] == "pong"
         finally:
             ws.close()
+
+
+def test_a_name_rebound_to_loopback_is_not_the_apis_own_origin(
+    api_url: str, user_token: str
+) -> None:
+    """DNS rebinding: a page loaded from rebind.example, whose name then resolves to
+    127.0.0.1, sends Host and Origin that agree. An API on a loopback address is its
+    own origin only under a loopback name."""
+    port = api_url.rsplit(":", 1)[1]
+    host, page = f"rebind.example:{port}", f"http://rebind.example:{port}"
+    r = requests.post(
+        f"{api_url}/v1/jobs",
+        json=JOB,
+        headers={**auth(user_token), "Origin": page, "Host": host},
+        timeout=30,
+    )
+    assert r.status_code == 403 and "origin" in r.json()["error"]
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        _ws(api_url, "/v1/ws", page, user_token, host=host)
+    assert refused.value.status_code == 403
+    # The same page under a loopback name is the API's own (the web app at localhost).
+    ws = _ws(api_url, "/v1/ws", f"http://localhost:{port}", user_token, host=f"localhost:{port}")
+    try:
+        ws.send(json.dumps({"type": "ping"}))
+        assert json.loads(ws.recv())["type"] == "pong"
+    finally:
+        ws.close()
 
 
 def test_state_changing_requests_from_another_origin_are_refused(
