@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, case, func, null, or_, select, update
+from sqlalchemy import String, Table, and_, bindparam, case, func, null, or_, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.dml import UpdateBase
 
 from db.schema import Job, JobStatus, utcnow
 from db.session import Database
@@ -61,6 +62,36 @@ _CREATED = frozenset(
 """The columns :meth:`JobStore.create` writes; the rest are null until a worker fills them."""
 _INSERT = cast(Table, Job.__table__).insert()
 """Core, compiled once: 0.35 ms of CPU a row against 0.50 for the session's flush."""
+
+
+def _claim_statement() -> UpdateBase:
+    """The claim's one UPDATE ... RETURNING: it starts a queued job, or fails it as
+    ``expired`` when its deadline passed before a first start, so no claim can start
+    a job whose deadline passed between two queries. A job that ran once and was
+    re-queued (worker lost, drain) is not expired: the deadline bounds the wait
+    before a first start. Built once (bound parameters ``job_id``, ``worker``,
+    ``now``): building it per claim cost more CPU than the round trip."""
+    now = bindparam("now", type_=Job.__table__.c.started_at.type)
+    expired = and_(Job.deadline_at.is_not(None), Job.deadline_at <= now, Job.started_at.is_(None))
+    return (
+        update(Job)
+        .where(Job.id == bindparam("job_id"), Job.status == JobStatus.queued.value)
+        .values(
+            status=case((expired, JobStatus.failed.value), else_=JobStatus.running.value),
+            attempts=case((expired, Job.attempts), else_=Job.attempts + 1),
+            worker=case((expired, null()), else_=bindparam("worker", type_=String)),
+            started_at=case((expired, null()), else_=now),
+            finished_at=case((expired, now), else_=Job.finished_at),
+            error=case((expired, EXPIRED), else_=Job.error),
+            finish_reason=case((expired, "error"), else_=Job.finish_reason),
+            output_text=case((expired, ""), else_=Job.output_text),
+        )
+        .returning(Job)
+        .execution_options(synchronize_session=False)
+    )
+
+
+_CLAIM = _claim_statement()
 
 
 class JobStore:
@@ -135,33 +166,10 @@ class JobStore:
         never started, no attempt counted) and the returned job's status is
         ``failed``; the caller reports it and runs nothing.
         """
-        now = utcnow()
-        # One statement decides between "start" and "expire", so no claim can
-        # start a job whose deadline passed between two queries.
-        # A job that ran once and was re-queued (worker lost, drain) is not expired:
-        # the deadline bounds the wait before a first start.
-        expired = and_(
-            Job.deadline_at.is_not(None), Job.deadline_at <= now, Job.started_at.is_(None)
-        )
         with self.db.session() as s:
-            result = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.status == JobStatus.queued.value)
-                .values(
-                    status=case((expired, JobStatus.failed.value), else_=JobStatus.running.value),
-                    attempts=case((expired, Job.attempts), else_=Job.attempts + 1),
-                    worker=case((expired, null()), else_=worker),
-                    started_at=case((expired, null()), else_=now),
-                    finished_at=case((expired, now), else_=Job.finished_at),
-                    error=case((expired, EXPIRED), else_=Job.error),
-                    finish_reason=case((expired, "error"), else_=Job.finish_reason),
-                    output_text=case((expired, ""), else_=Job.output_text),
-                )
-                .execution_options(synchronize_session=False)
-            )
-            if result.rowcount != 1:  # type: ignore[attr-defined]
-                return None
-            return s.get(Job, job_id, populate_existing=True)
+            return s.scalars(
+                _CLAIM, {"job_id": job_id, "worker": worker, "now": utcnow()}
+            ).one_or_none()
 
     def finish(self, job_id: str, worker: str, outcome: JobOutcome) -> bool:
         """Record the final state of a running job claimed by ``worker``."""
