@@ -12,6 +12,8 @@ import base64
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import pytest
@@ -69,26 +71,31 @@ def _terminate(url: str, pid: int) -> None:
         admin.dispose()
 
 
+@contextmanager
+def _pool(settings: Settings, size: int) -> Iterator[Database]:
+    database = Database(settings.database_url, pool_size=size, max_overflow=0)
+    try:
+        yield database
+    finally:
+        database.dispose()
+
+
 def test_a_pooled_connection_killed_while_idle_is_replaced_before_use(
     migrated: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(db.session, "PING_IDLE_S", 0.05)
-    database = Database(migrated.database_url, pool_size=1, max_overflow=0)
-    try:
+    with _pool(migrated, 1) as database:
         first = _backend_pid(database)
         _terminate(migrated.database_url, first)
         time.sleep(0.1)
         assert _backend_pid(database) != first  # no error: the ping found it dead
-    finally:
-        database.dispose()
 
 
 def test_a_connection_killed_in_steady_use_fails_one_statement_then_the_pool_renews(
     migrated: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(db.session, "PING_IDLE_S", 3600.0)
-    database = Database(migrated.database_url, pool_size=2, max_overflow=0)
-    try:
+    with _pool(migrated, 2) as database:
         with database.engine.connect() as a, database.engine.connect() as b:  # two in the pool
             pids = {int(c.execute(text("SELECT pg_backend_pid()")).scalar_one()) for c in (a, b)}
         for pid in pids:
@@ -97,5 +104,3 @@ def test_a_connection_killed_in_steady_use_fails_one_statement_then_the_pool_ren
             _backend_pid(database)
         # The disconnect dropped every older connection: the next checkout connects afresh.
         assert _backend_pid(database) not in pids
-    finally:
-        database.dispose()
