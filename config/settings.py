@@ -83,10 +83,13 @@ class Settings(BaseModel):
         description="Seconds a job's event stream is kept after its last event.",
     )
     stream_coalesce_ms: int = Field(
-        default=15,
+        default=50,
         ge=0,
         le=1000,
-        description="Milliseconds a worker gathers tokens before publishing them as one event.",
+        description=(
+            "Milliseconds a worker gathers a job's tokens before publishing them as one "
+            "event (the first token goes at once); 0 publishes every token alone."
+        ),
     )
     relay_poll_s: float = Field(
         default=1.0,
