@@ -238,13 +238,8 @@ def submit_job(
     check_queue(definition, svc.jobs, svc.settings, svc.rows)
     caller = caller_for(principal, client_address(), svc.settings)
     limiter = Limiter(svc.redis, svc.settings)
-    admission = limiter.admit_request(caller)
     job_id = str(uuid.uuid4())
-    try:
-        reserved = limiter.reserve_slot(caller, job_id, svc.jobs)
-    except BaseException:
-        limiter.refund_request(caller, admission)  # refused: not a request served
-        raise
+    admission = limiter.admit_job(caller, job_id, svc.jobs)
     wait_s: float | None = svc.settings.queue_deadline_s or None
     if req.deadline_s is not None:
         wait_s = min(req.deadline_s, wait_s) if wait_s else req.deadline_s
@@ -263,18 +258,14 @@ def submit_job(
         )
     except DuplicateIdempotencyKey:
         # A concurrent twin of this request won the insert: answer with its job.
-        if reserved:
-            limiter.release_slot(caller, job_id)
-        limiter.refund_request(caller, admission)
+        limiter.refund(admission)
         earlier = svc.jobs.by_idempotency_key(scoped_key or "")
         if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         return _replay(earlier, digest or "")
     except BaseException:
-        if reserved:
-            limiter.release_slot(caller, job_id)
         with contextlib.suppress(Exception):
-            limiter.refund_request(caller, admission)
+            limiter.refund(admission)
         raise
     log_job_event("submitted", job)
     try:
@@ -291,9 +282,7 @@ def submit_job(
         # Redis may be what is down; the prune on the caller's next refusal frees
         # the slot, and the window forgets the request within a minute.
         with contextlib.suppress(Exception):
-            if reserved:
-                limiter.release_slot(caller, job_id)
-            limiter.refund_request(caller, admission)
+            limiter.refund(admission)
         if isinstance(exc, (redis.RedisError, OSError)):
             raise Unavailable("the job queue is unavailable; retry shortly") from None
         raise

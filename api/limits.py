@@ -4,9 +4,9 @@ Per-caller counters live in Redis, so every API process enforces the same
 numbers; each check-and-count is one Lua script, hence atomic across processes.
 
 * Requests per minute: a sliding window, a sorted set of admission times
-  (Redis's own clock, so API hosts need not agree on the time). A request
-  refused by a later check (its concurrency slot) takes its entry back out, so
-  only accepted requests count.
+  (Redis's own clock, so API hosts need not agree on the time). Only accepted
+  requests count: a job's window entry and its concurrency slot are taken
+  together, in one script (:meth:`Limiter.admit_job`), or neither is.
 * Lookups per minute (``/tokenize``, ``/v1/models``: no job, but a tokenizer
   run or a database read each): a window of their own, ``lookup_factor``
   times the caller's requests per minute.
@@ -14,6 +14,9 @@ numbers; each check-and-count is one Lua script, hence atomic across processes.
   the set is full and the database says the job has ended (the API does not see
   every job end, so the set is pruned against Postgres, the source of truth,
   only when it would refuse).
+
+A submission's limits cost one round trip to Redis (the job script, sent by
+its SHA once Redis knows it); a refusal by the slots costs a prune and a second try.
 """
 
 from __future__ import annotations
@@ -57,13 +60,35 @@ redis.call('PEXPIRE', KEYS[1], window)
 return 0
 """
 
-_SLOT_SCRIPT = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
-  return 0
+# A job's admission: the per-minute window (KEYS[1]; ARGV[1] its limit, 0 for
+# none, ARGV[2] the window in ms, ARGV[3] the entry) and the concurrency slots
+# (KEYS[2]; ARGV[4] their limit, 0 for none, ARGV[5] the job id, ARGV[6] the
+# set's TTL in s, ARGV[7] the API's time in s: the job's score). Both are
+# taken or neither: {0, 0} admitted, {1, ms} the window is full for ms more,
+# {2, 0} every slot is held.
+_JOB_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rate, window, slots = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+if rate > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+  if redis.call('ZCARD', KEYS[1]) >= rate then
+    local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    return {1, tonumber(oldest[2]) + window - now}
+  end
 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
+if slots > 0 then
+  if redis.call('ZCARD', KEYS[2]) >= slots then
+    return {2, 0}
+  end
+  redis.call('ZADD', KEYS[2], ARGV[7], ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+end
+if rate > 0 then
+  redis.call('ZADD', KEYS[1], now, ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], window)
+end
+return {0, 0}
 """
 
 
@@ -107,23 +132,77 @@ def caller_for(principal: Principal | None, address: str, settings: Settings) ->
     )
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What :meth:`Limiter.admit_job` counted for one job, for :meth:`Limiter.refund`."""
+
+    caller: Caller
+    job_id: str
+    entry: str | None  # its entry in the per-minute window (None: no limit)
+    slot: bool  # whether it holds a concurrency slot
+
+
 class Limiter:
     """The Redis side of per-caller limits."""
 
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
         self.settings = settings
+        # Sent by their SHA (Redis loads a script's text once).
+        self._job_script = client.register_script(_JOB_SCRIPT)
+        self._rate_script = client.register_script(_RATE_SCRIPT)
 
     def _key(self, kind: str, caller: Caller) -> str:
         return self.settings.key("limit", kind, caller.key)
 
-    def admit_request(self, caller: Caller) -> str | None:
-        """Count one generation request; :class:`RateLimited` past the per-minute limit.
+    def admit_job(self, caller: Caller, job_id: str, jobs: JobStore) -> Admission:
+        """Count one generation request and hold a concurrent-job slot for ``job_id``.
 
-        Returns the request's entry in the window (None: the caller has no
-        limit), for :meth:`refund_request` should a later check refuse it.
+        Both in one script, or neither. Raises :class:`RateLimited` past the
+        per-minute limit, or when every slot holds a job that has not ended
+        (the slots are pruned against the database and tried once more first).
         """
-        return self._admit("rpm", caller.requests_per_minute, caller, "requests")
+        rate, slots = caller.requests_per_minute, caller.max_concurrent_jobs
+        entry = uuid.uuid4().hex if rate > 0 else None
+        if rate <= 0 and slots <= 0:
+            return Admission(caller, job_id, None, False)
+        jobs_key = self._key("jobs", caller)
+        # A forgotten set expires after the longest a job can live.
+        ttl = self.settings.queue_deadline_s + self.settings.job_timeout_s + 3600
+        keys = [self._key("rpm", caller), jobs_key]
+        args: list[str | int | float] = [
+            max(rate, 0),
+            WINDOW_MS,
+            entry or "",
+            max(slots, 0),
+            job_id,
+            ttl,
+            time.time(),
+        ]
+        for attempt in range(2):
+            code, wait_ms = cast(list[int], self._job_script(keys=keys, args=args))
+            if code == 0:
+                return Admission(caller, job_id, entry, slots > 0)
+            if code == 1:
+                raise RateLimited(
+                    f"at most {rate} requests per minute; retry later", int(wait_ms) / 1000
+                )
+            if attempt == 0:
+                self._prune(jobs_key, jobs)
+        raise RateLimited(
+            f"at most {slots} jobs may be queued or running at once; wait for one to end",
+            self.settings.retry_after_s,
+        )
+
+    def refund(self, admission: Admission) -> None:
+        """Take back what :meth:`admit_job` counted, for a job that was not accepted."""
+        pipe = self.redis.pipeline(transaction=False)
+        if admission.slot:
+            pipe.zrem(self._key("jobs", admission.caller), admission.job_id)
+        if admission.entry is not None:
+            pipe.zrem(self._key("rpm", admission.caller), admission.entry)
+        if pipe:
+            pipe.execute()
 
     def admit_lookup(self, caller: Caller) -> None:
         """Count one lookup (``/tokenize``, ``/v1/models``) in a window of its own.
@@ -132,56 +211,16 @@ class Limiter:
         generation requests; :class:`RateLimited` past that.
         """
         limit = caller.requests_per_minute * self.settings.lookup_factor
-        self._admit("lookups", limit, caller, "lookups (/tokenize, /v1/models)")
-
-    def _admit(self, kind: str, limit: int, caller: Caller, what: str) -> str | None:
         if limit <= 0:
-            return None
-        entry = uuid.uuid4().hex
-        wait_ms = int(
-            cast(
-                int,
-                self.redis.eval(_RATE_SCRIPT, 1, self._key(kind, caller), limit, WINDOW_MS, entry),
-            )
-        )
+            return
+        key = self._key("lookups", caller)
+        args: list[str | int | float] = [limit, WINDOW_MS, uuid.uuid4().hex]
+        wait_ms = int(cast(int, self._rate_script(keys=[key], args=args)))
         if wait_ms > 0:
-            raise RateLimited(f"at most {limit} {what} per minute; retry later", wait_ms / 1000)
-        return entry
-
-    def refund_request(self, caller: Caller, entry: str | None) -> None:
-        """Take back a request counted by :meth:`admit_request` that was then refused."""
-        if entry is not None:
-            self.redis.zrem(self._key("rpm", caller), entry)
-
-    def reserve_slot(self, caller: Caller, job_id: str, jobs: JobStore) -> bool:
-        """Hold one of the caller's concurrent-job slots for ``job_id``.
-
-        Returns whether a slot was taken (False: the caller has no limit).
-        Raises :class:`RateLimited` when every slot holds a job that has not ended.
-        """
-        limit = caller.max_concurrent_jobs
-        if limit <= 0:
-            return False
-        key = self._key("jobs", caller)
-        if self._try_reserve(key, limit, job_id):
-            return True
-        self._prune(key, jobs)
-        if self._try_reserve(key, limit, job_id):
-            return True
-        raise RateLimited(
-            f"at most {limit} jobs may be queued or running at once; wait for one to end",
-            self.settings.retry_after_s,
-        )
-
-    def release_slot(self, caller: Caller, job_id: str) -> None:
-        """Give back a slot whose job was never accepted (or has ended)."""
-        self.redis.zrem(self._key("jobs", caller), job_id)
-
-    def _try_reserve(self, key: str, limit: int, job_id: str) -> bool:
-        # A forgotten set expires after the longest a job can live.
-        ttl = self.settings.queue_deadline_s + self.settings.job_timeout_s + 3600
-        taken = self.redis.eval(_SLOT_SCRIPT, 1, key, limit, job_id, time.time(), ttl)
-        return bool(taken)
+            raise RateLimited(
+                f"at most {limit} lookups (/tokenize, /v1/models) per minute; retry later",
+                wait_ms / 1000,
+            )
 
     def _prune(self, key: str, jobs: JobStore) -> None:
         members = cast(list[tuple[bytes, float]], self.redis.zrange(key, 0, -1, withscores=True))
