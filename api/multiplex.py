@@ -10,7 +10,9 @@ Client frames (JSON text):
 
 Server frames, each tagged with the request's ``id``: ``queued`` (with
 ``job_id`` and ``position``, the jobs of the model queued ahead of it; sent
-again whenever the position changes while the job waits), then the job's
+again whenever the position changes while the job waits), ``waiting`` while
+the model has no ready worker (``replicas_starting``, ``progress`` in %,
+``eta_s``: api/waiting.py; sent again as they change), then the job's
 events with the same fields as on ``/v1/jobs/<id>/ws`` plus ``id`` and
 ``job_id``: ``started`` (``attempt``, ``worker``), ``token`` (``text``),
 ``resumed`` (``attempt``, ``worker``, ``tokens``, ``previous_worker``: the
@@ -72,6 +74,7 @@ from api.schemas import JobRequest, field_name, reject_nul
 from api.services import services
 from api.sock import sock
 from api.streams import LagWatch, SlowClient, close_now, drop_laggard, send_frame
+from api.waiting import waiting_frame
 from config import Settings
 from db.accounts import Principal
 from db.schema import Job, JobStatus
@@ -313,6 +316,8 @@ class Session:
         """Relay the job's events; True after its final event, False when the socket closed."""
         started = False
         full = sees_internals(self.principal)
+        waiting: dict[str, Any] | None = None
+        tags = {"id": req.id, "job_id": req.job.id}
         for event in follow_job(req.job, idle_s=POSITION_POLL_S, watch=self.watch, full=full):
             if self.closed.is_set():
                 return False
@@ -323,14 +328,11 @@ class Session:
                         now = services().jobs.queue_position(current)
                         if now != position:
                             position = now
-                            self.send(
-                                {
-                                    "type": "queued",
-                                    "id": req.id,
-                                    "job_id": req.job.id,
-                                    "position": now,
-                                }
-                            )
+                            self.send({"type": "queued", **tags, "position": now})
+                        frame = waiting_frame(req.job.model)
+                        if frame is not None and frame != waiting:
+                            self.send({**frame, **tags})
+                        waiting = frame
                 continue
             if event.type == "queued":
                 continue  # already announced, with the position

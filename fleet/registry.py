@@ -44,6 +44,43 @@ class WorkerReport:
     error: str | None = None
     started_at: float = field(default_factory=time.time)
     updated_at: float = 0.0
+    # While ``starting``: how long the model's last start took on this farm
+    # (seconds, None before its first), and from it the share done (0-100)
+    # and the seconds left (:func:`load_estimate`); 100 and 0 once ready.
+    start_expected_s: float | None = None
+    load_progress: float | None = None
+    load_eta_s: float | None = None
+
+
+def load_estimate(
+    started_at: float, expected_s: float | None, now: float | None = None
+) -> tuple[float | None, float | None]:
+    """A starting worker's progress (0-99 %) and seconds left; (None, None) without a
+    previous start to go by. Time-based: the last start of the model took ``expected_s``."""
+    if not expected_s or expected_s <= 0:
+        return None, None
+    elapsed = max(0.0, (time.time() if now is None else now) - started_at)
+    return round(min(99.0, 100 * elapsed / expected_s), 1), round(max(0.0, expected_s - elapsed), 1)
+
+
+def start_time_key(settings: Settings, model: str) -> str:
+    return settings.key("start-s", model)
+
+
+def remember_start_time(
+    client: redis.Redis, settings: Settings, model: str, seconds: float
+) -> None:
+    """Record how long a worker of ``model`` took from process start to ready."""
+    client.set(start_time_key(settings, model), f"{seconds:.2f}")
+
+
+def last_start_time(client: redis.Redis, settings: Settings, model: str) -> float | None:
+    """How long the last worker of ``model`` took to start, in seconds (None: never)."""
+    raw = client.get(start_time_key(settings, model))
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def worker_key(settings: Settings, worker_id: str) -> str:

@@ -65,6 +65,11 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "    args: [sh, -c, 'echo no accelerator here >&2; exit 7']\n"
     )
     (folder / "tiny-broken.yaml").write_text(broken)
+    # tiny-slow: a pre-start action makes its workers take a few seconds to start.
+    slow = tiny.replace("name: tiny-random", "name: tiny-slow") + (
+        "pre_start_actions:\n  - action: run_command\n    args: [sleep, '3']\n"
+    )
+    (folder / "tiny-slow.yaml").write_text(slow)
     # tiny-badpath: its checkpoint folder does not exist, so its model never loads.
     badpath = (
         "name: tiny-badpath\n"

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -31,7 +32,13 @@ from celery import signals
 from config import ModelDefinition, Settings, load_catalog
 from db.jobs import JobStore
 from db.session import Database
-from fleet.registry import Heartbeat, WorkerReport
+from fleet.registry import (
+    Heartbeat,
+    WorkerReport,
+    last_start_time,
+    load_estimate,
+    remember_start_time,
+)
 from tasks import configure
 from tasks.events import EventLog
 from tasks.generate import serve_with
@@ -57,7 +64,15 @@ def run_worker(settings: Settings, model: str) -> int:
     client = redis.Redis.from_url(settings.redis_url)
     worker_id = worker_id_for(model)
     report = WorkerReport(id=worker_id, model=model, total_slots=definition.limits.task_slots)
-    heartbeat = Heartbeat(client, settings, report)
+    try:  # what the waiting clients' progress bars go by (api/waiting.py)
+        report.start_expected_s = last_start_time(client, settings, model)
+    except redis.RedisError:
+        report.start_expected_s = None
+
+    def loading(r: WorkerReport) -> None:
+        r.load_progress, r.load_eta_s = load_estimate(r.started_at, r.start_expected_s)
+
+    heartbeat = Heartbeat(client, settings, report, sample=loading)
     heartbeat.start()
     try:
         run_prestart(definition.pre_start_actions, settings.state_dir)
@@ -118,6 +133,11 @@ def run_worker(settings: Settings, model: str) -> int:
     )
 
     def on_ready(**_: Any) -> None:
+        report.load_progress, report.load_eta_s = 100.0, 0.0
+        try:
+            remember_start_time(client, settings, model, time.time() - report.started_at)
+        except redis.RedisError as exc:
+            log.warning("could not record the start time: %s", exc)
         heartbeat.set_state("ready")
         health.start()
         log.info("worker %s ready on queue %s", worker_id, queue_name(model))

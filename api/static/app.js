@@ -95,6 +95,7 @@ class MuxTransport {
     else if (frame.type === "restart") handlers.onRestart();
     else if (frame.type === "queued" && typeof frame.position === "number")
       handlers.onQueue(frame.position);
+    else if (frame.type === "waiting") handlers.onWaiting(frame);
     else if (frame.type === "done") {
       this.pending.delete(frame.id);
       handlers.onDone(frame);
@@ -225,6 +226,27 @@ function showQueue(text) {
   const node = $("queue-status");
   node.hidden = !text;
   node.textContent = text || "";
+}
+
+/** Words for a job whose model has no ready worker yet (a ``waiting`` frame). */
+function waitingText(frame) {
+  const n = frame.replicas_starting || 0;
+  if (!n) return "Waiting for a worker to be started for this model…";
+  const workers = n === 1 ? "A worker is" : `${n} workers are`;
+  let text = `${workers} loading this model`;
+  if (typeof frame.progress === "number") text += `: ${Math.round(frame.progress)}%`;
+  if (typeof frame.eta_s === "number") text += `, about ${Math.ceil(frame.eta_s)} s left`;
+  return `${text}.`;
+}
+
+/** The worker-start progress bar: a ``waiting`` frame, or null to hide it. */
+function showLoading(frame) {
+  $("load-status").hidden = !frame;
+  if (!frame) return;
+  $("load-text").textContent = waitingText(frame);
+  const bar = $("load-progress");
+  if (typeof frame.progress === "number") bar.value = frame.progress;
+  else bar.removeAttribute("value"); // indeterminate: no earlier start to go by
 }
 
 function renderChatList() {
@@ -460,6 +482,7 @@ async function send(text) {
     run.ended = true;
     clearInterval(run.poll);
     showQueue("");
+    showLoading(null);
     answerNode.classList.remove("streaming");
     answerNode.removeAttribute("aria-busy");
     if (state.running === run) state.running = null;
@@ -514,9 +537,13 @@ async function send(text) {
       run.muxPositions = true;
       if (!run.started && !run.ended) showQueue(queueText(ahead));
     },
+    onWaiting: (frame) => {
+      if (!run.started && !run.ended) showLoading(frame);
+    },
     onStarted: () => {
       run.started = true;
       showQueue("");
+      showLoading(null);
     },
     onRestart: () => {
       source = "";
@@ -528,6 +555,7 @@ async function send(text) {
       if (!run.started) {
         run.started = true;
         showQueue("");
+        showLoading(null);
       }
       source += piece;
       redraw();

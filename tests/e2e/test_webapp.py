@@ -380,6 +380,11 @@ def test_queue_position_then_stop(page: Any, farm_url: str, user_token: str) -> 
     page.get_by_role("button", name="Send", exact=True).click()
     status = page.locator("#queue-status")
     expect(status).to_contain_text(re.compile(r"queue"))
+    # No worker of the model is ready, nor starting: the page says so, with a bar.
+    loading = page.locator("#load-status")
+    expect(loading).to_be_visible()
+    expect(loading).to_contain_text("Waiting for a worker to be started for this model")
+    expect(page.locator("#load-progress")).to_be_visible()
     answer = page.locator(".turn.assistant").last
     job_id = answer.get_attribute("data-job-id")
     assert job_id
@@ -389,6 +394,7 @@ def test_queue_position_then_stop(page: Any, farm_url: str, user_token: str) -> 
     expect(stop).to_be_enabled()
     stop.click()
     expect(answer).to_contain_text("Stopped.")
+    expect(loading).to_be_hidden()
     expect(page.get_by_role("button", name="Send", exact=True)).to_be_enabled()
     assert wait_job_final(farm_url, user_token, job_id)["status"] == "cancelled"
 

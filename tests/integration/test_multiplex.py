@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,3 +224,48 @@ def test_queue_position_is_sent_again_when_it_changes(api_url: str, token: str) 
         frames_until(ws, {"second"})
     finally:
         ws.close()
+
+
+def test_a_job_waiting_for_a_starting_worker_is_told_how_far_it_is(
+    api_url: str, token: str, migrated: Settings, log_dir: Path
+) -> None:
+    """No ready worker: ``waiting`` frames say how many start and, from the model's last
+    start, how far along they are; then the job runs as usual."""
+    model = "tiny-slow"
+    first = farm.start_worker(migrated, model, log_dir)  # its start time is recorded
+    try:
+        farm.wait_ready(migrated, model, first)
+    finally:
+        first.stop()
+    ws = connect(api_url, token)
+    second: farm.Process | None = None
+    try:
+        ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "id": "w",
+                    "model": model,
+                    "messages": CHAT,
+                    "params": {"max_new_tokens": 4, "temperature": 0},
+                }
+            )
+        )
+        frames = [json.loads(ws.recv()), json.loads(ws.recv())]
+        assert [f["type"] for f in frames] == ["queued", "waiting"], frames
+        assert frames[1]["replicas_starting"] == 0 and frames[1]["id"] == "w"
+        second = farm.start_worker(migrated, model, log_dir)
+        frames += frames_until(ws, {"w"})
+    finally:
+        ws.close()
+        if second is not None:
+            second.stop()
+    loading = [f for f in frames if f["type"] == "waiting" and f["replicas_starting"] == 1]
+    assert loading, frames
+    progress = [f["progress"] for f in loading]
+    assert all(isinstance(p, float | int) and 0 <= p <= 99 for p in progress), loading
+    assert progress == sorted(progress)
+    assert all(f["eta_s"] >= 0 for f in loading)
+    kinds = [f["type"] for f in frames]
+    assert kinds.index("started") > kinds.index("waiting")
+    assert kinds[-1] == "done"

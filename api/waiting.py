@@ -1,0 +1,45 @@
+"""What a job that waits for a worker is told: replicas starting, load progress, time left.
+
+A job of a model with no ready worker (scaled to zero and waking, or its
+workers still loading the model) waits longer than any queue position says.
+The relays that watch a queued job (``/v1/ws``) then send a ``waiting`` frame:
+``replicas_starting`` (live workers of the model in state ``starting``),
+``progress`` (0-99 %, the furthest of them) and ``eta_s`` (its seconds left),
+both estimated from how long the model's last start took on this farm
+(:func:`fleet.registry.load_estimate`) and null before its first start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from api.services import services
+from fleet.registry import list_workers, load_estimate
+
+# How long one read of the worker registry serves every waiting job of this
+# process, in seconds.
+WORKERS_MAX_AGE_S = 1.0
+
+
+def waiting_frame(model: str) -> dict[str, Any] | None:
+    """The ``waiting`` frame for a queued job of ``model``; None while a worker is ready."""
+    svc = services()
+    workers = cast(list[dict[str, Any]] | None, svc.rows.peek("workers", WORKERS_MAX_AGE_S))
+    if workers is None:
+        workers = list_workers(svc.redis, svc.settings)
+        svc.rows.put("workers", workers)
+    mine = [w for w in workers if w.get("model") == model and not w.get("lost")]
+    if any(w.get("state") == "ready" for w in mine):
+        return None
+    starting = [w for w in mine if w.get("state") == "starting"]
+    estimates = [
+        load_estimate(float(w.get("started_at") or 0), w.get("start_expected_s")) for w in starting
+    ]
+    known = [e for e in estimates if e[0] is not None]
+    progress, eta = max(known, key=lambda e: e[0] or 0.0) if known else (None, None)
+    return {
+        "type": "waiting",
+        "replicas_starting": len(starting),
+        "progress": progress,
+        "eta_s": eta,
+    }
