@@ -59,6 +59,7 @@ from api.streams import (
     send_frame,
     sse_response,
 )
+from api.waiting import WaitingWatch
 from config import ModelDefinition
 from db.accounts import Principal
 from db.jobs import EXPIRED, DuplicateIdempotencyKey
@@ -684,14 +685,23 @@ def job_events(job_id: str) -> Response:
     events = follow_job(
         job, after, idle_s=settings.stream_keepalive_s, full=sees_internals(principal)
     )
+    waiting = _waiting_watch(job)
 
     def generate() -> Iterator[str]:
         try:
             yield "retry: 1000\n\n"
             for event in events:
                 if event is None:
-                    yield ": keep-alive\n\n"
+                    frame = waiting.tick() if waiting is not None else None
+                    # No id: a waiting frame is not an event of the job's log.
+                    yield (
+                        ": keep-alive\n\n"
+                        if frame is None
+                        else f"event: waiting\ndata: {json.dumps(frame)}\n\n"
+                    )
                     continue
+                if waiting is not None:
+                    waiting.seen(event)
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event.to_json()}\n\n"
         finally:
             # Also when a write timed out: the job runs on, Last-Event-ID resumes.
@@ -752,9 +762,17 @@ def close_socket(ws: Any, code: int, message: str) -> None:
         ws.close(reason=code, message=message)
 
 
+def _waiting_watch(job: Job) -> WaitingWatch | None:
+    """``?waiting=1``: the stream also carries ``waiting`` frames (api/waiting.py)."""
+    if request.args.get("waiting", "").lower() not in ("1", "true", "yes"):
+        return None
+    return WaitingWatch(job.model)
+
+
 def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> None:
     settings = services().settings
     timeout_s = settings.ws_send_timeout_s
+    waiting = _waiting_watch(job)
     watch = LagWatch()
     recheck = TokenRecheck(presented_token(door="websocket"), settings.ws_token_check_s)
     try:
@@ -768,7 +786,12 @@ def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> No
             if event is None:
                 if not ws.connected:  # gone (or closed for a too big message) meanwhile
                     return
+                frame = waiting.tick() if waiting is not None else None
+                if frame is not None:
+                    send_frame(ws, json.dumps(frame), timeout_s, give_up=lambda: watch.lagging)
                 continue
+            if waiting is not None:
+                waiting.seen(event)
             send_frame(ws, event.to_json(), timeout_s, give_up=lambda: watch.lagging)
     except ConnectionClosed:
         return

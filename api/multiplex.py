@@ -74,7 +74,7 @@ from api.schemas import JobRequest, field_name, reject_nul
 from api.services import services
 from api.sock import sock
 from api.streams import LagWatch, SlowClient, close_now, drop_laggard, send_frame
-from api.waiting import waiting_frame
+from api.waiting import WaitingWatch
 from config import Settings
 from db.accounts import Principal
 from db.schema import Job, JobStatus
@@ -316,7 +316,7 @@ class Session:
         """Relay the job's events; True after its final event, False when the socket closed."""
         started = False
         full = sees_internals(self.principal)
-        waiting: dict[str, Any] | None = None
+        waiting = WaitingWatch(req.job.model)
         tags = {"id": req.id, "job_id": req.job.id}
         for event in follow_job(req.job, idle_s=POSITION_POLL_S, watch=self.watch, full=full):
             if self.closed.is_set():
@@ -329,14 +329,14 @@ class Session:
                         if now != position:
                             position = now
                             self.send({"type": "queued", **tags, "position": now})
-                        frame = waiting_frame(req.job.model)
-                        if frame is not None and frame != waiting:
+                        frame = waiting.tick()
+                        if frame is not None:
                             self.send({**frame, **tags})
-                        waiting = frame
                 continue
             if event.type == "queued":
                 continue  # already announced, with the position
             started = started or event.type == "started"
+            waiting.seen(event)
             self.send(event_frame(event, req.id, req.job.id))
         return True
 

@@ -2,11 +2,14 @@
 
 A job of a model with no ready worker (scaled to zero and waking, or its
 workers still loading the model) waits longer than any queue position says.
-The relays that watch a queued job (``/v1/ws``) then send a ``waiting`` frame:
+The relays that watch a queued job then send a ``waiting`` frame:
 ``replicas_starting`` (live workers of the model in state ``starting``),
 ``progress`` (0-99 %, the furthest of them) and ``eta_s`` (its seconds left),
 both estimated from how long the model's last start took on this farm
 (:func:`fleet.registry.load_estimate`) and null before its first start.
+``/v1/ws`` sends it always; a job's own websocket and SSE stream only when
+asked (``?waiting=1``): it is not an event of the job's log and has no
+``seq``, which older readers of those streams would not expect.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, cast
 
 from api.services import services
 from fleet.registry import list_workers, load_estimate
+from tasks.events import JobEvent
 
 # How long one read of the worker registry serves every waiting job of this
 # process, in seconds.
@@ -43,3 +47,27 @@ def waiting_frame(model: str) -> dict[str, Any] | None:
         "progress": progress,
         "eta_s": eta,
     }
+
+
+class WaitingWatch:
+    """The ``waiting`` frames of one relayed job: call :meth:`seen` with each of its
+    events and :meth:`tick` when the stream is idle."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.started = False
+        self._last: dict[str, Any] | None = None
+
+    def seen(self, event: JobEvent) -> None:
+        """Any event after ``queued`` (started, or ended while queued) ends the waiting."""
+        self.started = self.started or event.type != "queued"
+
+    def tick(self) -> dict[str, Any] | None:
+        """A ``waiting`` frame to send now: None before a change, or once it started."""
+        if self.started:
+            return None
+        frame = waiting_frame(self.model)
+        if frame == self._last:
+            return None
+        self._last = frame
+        return frame

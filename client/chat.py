@@ -75,6 +75,21 @@ class Conversation:
         return [*head, *self.turns, {"role": "user", "content": prompt}]
 
 
+def waiting_text(frame: dict[str, Any]) -> str:
+    """Words for a ``waiting`` event: the job's model has no ready worker yet."""
+    starting = int(frame.get("replicas_starting") or 0)
+    if not starting:
+        return "waiting for a worker of this model to be started"
+    text = "a worker is" if starting == 1 else f"{starting} workers are"
+    text += " loading the model"
+    progress, eta = frame.get("progress"), frame.get("eta_s")
+    if isinstance(progress, int | float):
+        text += f": {progress:.0f}%"
+    if isinstance(eta, int | float):
+        text += f", about {eta:.0f} s left"
+    return text
+
+
 def parse_params(words: list[str], params: dict[str, Any]) -> dict[str, Any]:
     """``params`` updated by ``k=v`` words; raises :class:`ClientError` naming a bad one."""
     updated = dict(params)
@@ -138,7 +153,7 @@ class ChatSession:
         while final is None:
             try:
                 for event in self.conn.events(job_id, after=last):
-                    last = event.seq
+                    last = max(last, event.seq)
                     self._show(job_id, event)
                     if event.final:
                         final = event
@@ -178,7 +193,9 @@ class ChatSession:
             self.out.write(json.dumps({"job_id": job_id, **event.as_dict()}) + "\n")
             self.out.flush()
             return
-        if event.type == "token":
+        if event.type == "waiting":
+            self._note(waiting_text(event.fields))
+        elif event.type == "token":
             self.out.write(event.text)
             self.out.flush()
         elif event.type == "restart":  # not "resumed": a resumed answer just goes on

@@ -194,13 +194,16 @@ class Connection:
         """Every event of a job with ``seq > after``, in order, through its websocket.
 
         Ends after ``done`` or ``error``. A dropped connection is re-opened from
-        the last seq seen, so no event is lost or repeated.
+        the last seq seen, so no event is lost or repeated. While the job waits
+        for a worker that is starting, ``waiting`` events (seq -1: not in the
+        job's log) say how far along it is (docs/api.md).
         """
         last = after
         for _attempt in range(5):
             try:
                 for event in self._socket_events(job_id, last):
-                    last = event.seq
+                    if event.type != "waiting":
+                        last = event.seq
                     yield event
                     if event.final:
                         return
@@ -211,8 +214,7 @@ class Connection:
     def _socket_events(self, job_id: str, after: int) -> Iterator[Event]:
         scheme = "wss" if self.base_url.startswith("https") else "ws"
         url = f"{scheme}{self.base_url[self.base_url.index('://') :]}/v1/jobs/{job_id}/ws"
-        if after >= 0:
-            url += f"?after={after}"
+        url += "?waiting=1" + (f"&after={after}" if after >= 0 else "")
         headers = [f"Authorization: Bearer {self.token}"] if self.token else []
         ws = websocket.create_connection(url, header=headers, timeout=STREAM_IDLE_S)
         try:
@@ -221,6 +223,9 @@ class Connection:
                 if not raw:
                     return
                 data = json.loads(raw)
+                if "seq" not in data and data.get("type") == "waiting":
+                    yield Event(seq=-1, type=str(data.pop("type")), fields=data)
+                    continue
                 if "seq" not in data:  # a refusal frame: {"type": "error", "error", "status"}
                     raise self._api_error(int(data.get("status", 500)), data, None)
                 seq = int(data.pop("seq"))

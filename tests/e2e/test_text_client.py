@@ -211,3 +211,17 @@ def test_ctrl_c_cancels_the_running_generation(farm_url: str, user_token: str) -
         child.close(force=True)
     assert child.exitstatus == 0
     assert child.signalstatus is None or child.signalstatus != signal.SIGINT
+
+
+def test_a_prompt_waiting_for_a_worker_says_so(farm_url: str, user_token: str) -> None:
+    # tiny-late has no worker, starting or ready: the client says what it waits for.
+    child = spawn(
+        "--url", farm_url, "--token", user_token, "--model", "tiny-late",
+        "--prompt", "Are you there?",
+    )  # fmt: skip
+    try:
+        child.expect("waiting for a worker of this model to be started", timeout=30)
+        child.sendintr()
+        child.expect("cancel", timeout=30)
+    finally:
+        child.terminate(force=True)

@@ -269,3 +269,50 @@ def test_a_job_waiting_for_a_starting_worker_is_told_how_far_it_is(
     kinds = [f["type"] for f in frames]
     assert kinds.index("started") > kinds.index("waiting")
     assert kinds[-1] == "done"
+
+
+def test_a_jobs_own_streams_carry_waiting_frames_only_when_asked(api_url: str, token: str) -> None:
+    """``?waiting=1`` on a job's websocket and SSE stream: ``waiting`` frames without a
+    seq (not events of its log); without it, the streams are as they always were."""
+    headers = {"Authorization": f"Bearer {token}"}
+    body = {"model": "tiny-late", "prompt": "hello", "params": {"max_new_tokens": 4}}
+    r = requests.post(f"{api_url}/v1/jobs", json=body, headers=headers, timeout=30)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    url = api_url.replace("http", "ws", 1) + f"/v1/jobs/{job_id}/ws"
+    try:
+        auth = [f"Authorization: Bearer {token}"]
+        asked = websocket.create_connection(url + "?waiting=1", header=auth, timeout=30)
+        plain = websocket.create_connection(url, header=auth, timeout=5)
+        try:
+            assert json.loads(asked.recv())["type"] == "queued"
+            waiting = json.loads(asked.recv())
+            assert waiting == {
+                "type": "waiting",
+                "replicas_starting": 0,
+                "progress": None,
+                "eta_s": None,
+            }
+            assert json.loads(plain.recv())["type"] == "queued"
+            with pytest.raises(websocket.WebSocketTimeoutException):
+                plain.recv()  # keep-alive ticks only: nothing new to read
+        finally:
+            asked.close()
+            plain.close()
+        with requests.get(
+            f"{api_url}/v1/jobs/{job_id}/events?waiting=1",
+            headers={**headers, "Accept": "text/event-stream"},
+            stream=True,
+            timeout=30,
+        ) as sse:
+            lines = sse.iter_lines(decode_unicode=True)
+            seen: list[str] = []
+            for line in lines:
+                seen.append(line)
+                if line.startswith("data:") and "waiting" in line:
+                    break
+        block = seen[seen.index("event: waiting") :]
+        assert not any(line.startswith("id:") for line in block), seen
+        assert json.loads(block[1][len("data: ") :])["replicas_starting"] == 0
+    finally:
+        requests.post(f"{api_url}/v1/jobs/{job_id}/cancel", headers=headers, timeout=30)
