@@ -3,13 +3,14 @@
 Client frames (JSON text):
 
 - ``{"type": "generate", "id": "<client id>", "model": …, "messages" | "prompt": …,
-  "params": {…}, "detach": false, "deadline_s": …}`` starts a job (the same
-  fields and checks as ``POST /v1/jobs``);
+  "params": {…}, "detach": false, "deadline_s": …, "request_id": …}`` starts a
+  job (the same fields and checks as ``POST /v1/jobs``; ``request_id``, optional,
+  is what ``X-Request-ID`` is to a POST, else ``<the socket's id>.<n>``);
 - ``{"type": "cancel", "id": …}`` cancels it;
 - ``{"type": "ping"}`` is answered ``{"type": "pong"}``.
 
 Server frames, each tagged with the request's ``id``: ``queued`` (with
-``job_id`` and ``position``, the jobs of the model queued ahead of it; sent
+``job_id``, ``request_id`` and ``position``, the jobs of the model queued ahead of it; sent
 again whenever the position changes while the job waits), ``waiting`` while
 the model has no ready worker (``replicas_starting``, ``progress`` in %,
 ``eta_s``: api/waiting.py; sent again as they change), then the job's
@@ -70,6 +71,7 @@ from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
 from api.jobs import cancel, follow_job, refuse_socket, submit_job
 from api.limits import RateLimited
 from api.openapi import spec
+from api.request_ids import accepted, request_id, request_id_as
 from api.schemas import JobRequest, field_name, reject_nul
 from api.services import services
 from api.sock import sock
@@ -141,11 +143,13 @@ class MessageRate:
 
 
 class GenerateFrame(JobRequest):
-    """A ``generate`` frame: a job request plus the client's id for it."""
+    """A ``generate`` frame: a job request plus the client's id for it, and optionally
+    the request id its job and log lines carry (api/request_ids.py)."""
 
     type: Literal["generate"]
     id: str = Field(min_length=1, max_length=MAX_ID)
     detach: bool = False
+    request_id: str | None = None
 
 
 class CancelFrame(BaseModel):
@@ -179,6 +183,7 @@ class Session:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
+        self._submitted = 0  # generate frames that made a job, for their request ids
 
     def send(self, frame: dict[str, Any]) -> None:
         if self.closed.is_set():
@@ -264,9 +269,24 @@ class Session:
             current = self._requests.get(frame.id)
             if current is not None and not current.finished.is_set():
                 raise ValidationFailed(f"id: request {frame.id!r} is still running", field="id")
-        job = submit_job(frame, self.principal).job
+        if frame.request_id is not None and accepted(frame.request_id) is None:
+            raise ValidationFailed(
+                "request_id: 1 to 128 visible ASCII characters, no spaces", field="request_id"
+            )
+        rid = frame.request_id or f"{request_id()}.{self._submitted + 1}"
+        with request_id_as(rid):
+            job = submit_job(frame, self.principal).job
+        self._submitted += 1
         position = services().jobs.queue_position(job)
-        self.send({"type": "queued", "id": frame.id, "job_id": job.id, "position": position})
+        self.send(
+            {
+                "type": "queued",
+                "id": frame.id,
+                "job_id": job.id,
+                "position": position,
+                "request_id": job.request_id,
+            }
+        )
         req = _Request(id=frame.id, job=job, detach=frame.detach)
         req.thread = threading.Thread(
             target=self._relay, args=(req, position), name=f"ws-relay-{job.id}", daemon=True

@@ -5,14 +5,18 @@ when it is short and printable (1 to :data:`MAX_LENGTH` visible ASCII
 characters, no spaces), else makes one (32 hex digits). Every answer carries
 the id back in ``X-Request-ID``; a job submitted by the request stores it
 (``request_id`` in the job's JSON) and every log line of the job names it
-(:mod:`tasks.joblog`). A websocket's id is its handshake's: each job submitted
-on one ``/v1/ws`` socket carries the same id.
+(:mod:`tasks.joblog`). A websocket's id is its handshake's; each job submitted
+on one ``/v1/ws`` socket gets one of its own: the ``generate`` frame's
+``request_id`` when it is accepted, else ``<socket's id>.<n>`` for the n-th
+job of the socket (:func:`request_id_as`).
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flask import Flask, Response, g, request
 
@@ -35,6 +39,17 @@ def request_id() -> str:
         found = accepted(request.headers.get(HEADER)) or uuid.uuid4().hex
         g.request_id = found
     return found
+
+
+@contextmanager
+def request_id_as(value: str) -> Iterator[None]:
+    """Within: :func:`request_id` is ``value`` (one request of a multiplexed socket)."""
+    outer = request_id()
+    g.request_id = value
+    try:
+        yield
+    finally:
+        g.request_id = outer
 
 
 def _answer_with_id(response: Response) -> Response:

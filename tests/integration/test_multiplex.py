@@ -22,10 +22,12 @@ def token(migrated: Settings) -> str:
     return farm.make_token(migrated, max_concurrent_jobs=0, requests_per_minute=0)
 
 
-def connect(api_url: str, token: str | None = None, **kwargs: Any) -> websocket.WebSocket:
+def connect(
+    api_url: str, token: str | None = None, headers: tuple[str, ...] = (), **kwargs: Any
+) -> websocket.WebSocket:
     url = api_url.replace("http", "ws", 1) + "/v1/ws"
-    headers = [f"Authorization: Bearer {token}"] if token else []
-    return websocket.create_connection(url, header=headers, timeout=120, **kwargs)
+    auth = [f"Authorization: Bearer {token}"] if token else []
+    return websocket.create_connection(url, header=[*auth, *headers], timeout=120, **kwargs)
 
 
 def frames_until(ws: websocket.WebSocket, done: set[str]) -> list[dict[str, Any]]:
@@ -316,3 +318,29 @@ def test_a_jobs_own_streams_carry_waiting_frames_only_when_asked(api_url: str, t
         assert json.loads(block[1][len("data: ") :])["replicas_starting"] == 0
     finally:
         requests.post(f"{api_url}/v1/jobs/{job_id}/cancel", headers=headers, timeout=30)
+
+
+def test_each_job_of_a_socket_has_its_own_request_id(
+    api_url: str, token: str, tiny_worker: farm.Process
+) -> None:
+    """A frame's ``request_id``, else the handshake's id and the job's number on the socket."""
+    ws = connect(api_url, token, headers=("X-Request-ID: sock-7",))
+    try:
+        for rid, extra in (("a", {"request_id": "chat-turn-1"}), ("b", {}), ("c", {})):
+            frame = {"type": "generate", "id": rid, "model": "tiny-random", "prompt": "hi"}
+            ws.send(json.dumps({**frame, "params": {"max_new_tokens": 2}, **extra}))
+        ws.send(json.dumps({**frame, "id": "d", "request_id": "has space"}))
+        frames = frames_until(ws, {"a", "b", "c", "d"})
+    finally:
+        ws.close()
+    queued = {f["id"]: f for f in frames if f["type"] == "queued"}
+    assert {k: f["request_id"] for k, f in queued.items()} == {
+        "a": "chat-turn-1",
+        "b": "sock-7.2",
+        "c": "sock-7.3",
+    }
+    refused = next(f for f in frames if f["id"] == "d")
+    assert refused["status"] == 422 and refused["field"] == "request_id"
+    for rid, f in queued.items():
+        job = job_status(api_url, token, f["job_id"], final=False)
+        assert job["request_id"] == queued[rid]["request_id"]
