@@ -39,11 +39,12 @@ SERIES = (
 
 @dataclass(frozen=True)
 class GaugeSample:
-    """One model's state at one scaler tick."""
+    """One model's state at one scaler tick (or reaper sweep: then ``desired`` is None,
+    no scaler having decided it)."""
 
     queue_depth: int
     running: int
-    desired: int
+    desired: int | None
     ready: int
     starting: int
     tokens_per_s: float

@@ -4,6 +4,9 @@ The scaler leader calls :meth:`HistoryRecorder.record` at every tick with what
 it observed of each model (queue depth, running jobs, desired, ready and
 starting replicas, the tokens per second its live workers report). Since only
 the leader ticks, several API processes or standby scalers never write twice.
+A farm without a scaler (workers started by hand, or by Kubernetes' own
+autoscaling) still keeps its history: while no scaler leads, the reaper's
+sweeps record the same figures, ``desired`` left null (nobody decided it).
 The recorder folds each tick into the current minute's row, computes the job
 figures (queue wait and time to first token percentiles, finished jobs,
 errors) of the current minute and of the minutes a tick may still complete,
@@ -99,14 +102,18 @@ def _rounded(value: float | None) -> float | None:
 
 
 class HistoryRecorder:
-    """Writes the rollups from the scaler leader's ticks; see the module docstring."""
+    """Writes the rollups from the scaler leader's ticks (or, with no scaler leading, the
+    reaper's sweeps, every ``interval_s``); see the module docstring."""
 
-    def __init__(self, settings: Settings, store: HistoryStore) -> None:
+    def __init__(
+        self, settings: Settings, store: HistoryStore, interval_s: float | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         # A tick completes the minutes since the previous tick: with ticks
         # further apart than a minute, several of them.
-        self.settle = max(1, math.ceil(settings.scaler_interval_s / 60))
+        interval = settings.scaler_interval_s if interval_s is None else interval_s
+        self.settle = max(1, math.ceil(interval / 60))
         self._pruned: datetime | None = None
 
     @property

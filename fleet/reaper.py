@@ -47,11 +47,13 @@ from datetime import timedelta
 import redis
 from sqlalchemy import exc as sa_exc
 
-from config import Settings
-from db.history import HistoryStore
+from config import Settings, load_catalog
+from db.history import GaugeSample, HistoryStore
 from db.jobs import JobStore
 from db.schema import Job, utcnow
-from fleet.registry import last_beats, live_reports, prune_lost
+from fleet.history import HistoryRecorder
+from fleet.registry import Tally, last_beats, list_workers, live_reports, prune_lost
+from fleet.scaler_state import ScalerState
 from tasks import metrics as m
 from tasks.events import EventLog, JobEvent
 from tasks.joblog import log_job_event
@@ -91,6 +93,8 @@ class Reaper:
         self.broker = BrokerView(client)
         self.metrics = MetricsStore(client, settings)
         self.history = HistoryStore(jobs.db)
+        self.recorder = HistoryRecorder(settings, self.history, settings.reaper_interval_s)
+        self._models: list[str] | None = None  # the catalog's, read at the first sample
         # Worker id → when this reaper first saw it without a heartbeat (monotonic).
         self._missing_since: dict[str, float] = {}
         # (job id, attempt) → when this reaper first saw its live worker not list it.
@@ -101,8 +105,39 @@ class Reaper:
         """One pass of every duty; the ids of the jobs it re-queued, failed or re-sent."""
         done = self.reap_lost() + self.reconcile_queued()
         self.prune_workers()
+        try:
+            self.record_history()
+        except (redis.RedisError, sa_exc.SQLAlchemyError) as exc:  # reaping comes first
+            log.warning("history not recorded: %s", exc)
         self.last_sweep = done
         return [r.job_id for r in done]
+
+    def record_history(self) -> bool:
+        """While no scaler leads, fold the farm's gauges into its history; whether it did.
+
+        The scaler leader records them at its ticks (with the replicas it
+        decided); without one, nothing decided ``desired``, so it stays null.
+        """
+        if not self.recorder.enabled or self.redis.exists(ScalerState.lock_key_of(self.settings)):
+            return False
+        if self._models is None:
+            self._models = load_catalog(self.settings.models_dir).names
+        counts = self.jobs.active_counts()
+        tally = Tally.of(list_workers(self.redis, self.settings))
+        models = {*self._models, *counts, *tally.ready, *tally.starting}
+        samples = {
+            model: GaugeSample(
+                queue_depth=counts.get(model, {}).get("queued", 0),
+                running=counts.get(model, {}).get("running", 0),
+                desired=None,
+                ready=tally.ready[model],
+                starting=tally.starting[model],
+                tokens_per_s=tally.tokens_per_s.get(model, 0.0),
+            )
+            for model in sorted(models)
+        }
+        self.recorder.record(utcnow(), samples)
+        return True
 
     # -- lost workers -----------------------------------------------------------------
 

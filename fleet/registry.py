@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -174,6 +175,30 @@ def list_workers(client: redis.Redis, settings: Settings) -> list[dict[str, Any]
         report["heartbeat_age_s"] = round(max(0.0, now - float(report.get("updated_at", 0))), 3)
         workers.append(report)
     return workers
+
+
+@dataclass
+class Tally:
+    """Live workers per model: how many are ready and starting, and their tokens/s."""
+
+    ready: Counter[str] = field(default_factory=Counter)
+    starting: Counter[str] = field(default_factory=Counter)
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, workers: list[dict[str, Any]]) -> Tally:
+        """The tally of :func:`list_workers`' reports (lost ones left out)."""
+        tally = cls()
+        for w in workers:
+            if w["lost"]:
+                continue
+            rate = float(w.get("tokens_per_s") or 0.0)
+            tally.tokens_per_s[w["model"]] = tally.tokens_per_s.get(w["model"], 0.0) + rate
+            if w["state"] == "ready":
+                tally.ready[w["model"]] += 1
+            elif w["state"] == "starting":
+                tally.starting[w["model"]] += 1
+        return tally
 
 
 def live_worker_ids(client: redis.Redis, settings: Settings, ids: list[str]) -> set[str]:

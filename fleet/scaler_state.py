@@ -36,7 +36,12 @@ class ScalerState:
         self.desired_key = settings.key("scaling", "desired")
         self.memory_key = settings.key("scaling", "memory")
         self.wake_key = settings.key("scaler", "wake")
-        self.lock_key = settings.key("scaler", "leader")
+        self.lock_key = self.lock_key_of(settings)
+
+    @staticmethod
+    def lock_key_of(settings: Settings) -> str:
+        """The scaler leader's lock: it exists while a scaler leads."""
+        return settings.key("scaler", "leader")
 
     def desired(self) -> dict[str, dict[str, Any]]:
         """Per model: ``desired``, ``reason``, ``detail``, ``at``, ``scaler``."""

@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,7 +56,7 @@ from fleet.policy import (
     decide,
     effective_policy,
 )
-from fleet.registry import list_workers
+from fleet.registry import Tally, list_workers
 from fleet.scaler_state import LeaderLock, ScalerState, policy_for
 from workers.executors.base import Executor, ExecutorError
 
@@ -116,18 +115,8 @@ class Scaler:
             except Exception:  # the reaper failing must not stop scaling
                 log.exception("reaper failed")
         counts = self.jobs.active_counts()
-        ready: Counter[str] = Counter()
-        starting: Counter[str] = Counter()
-        tokens_per_s: dict[str, float] = {}
-        for w in list_workers(self.redis, self.settings):
-            if w["lost"]:
-                continue
-            rate = float(w.get("tokens_per_s") or 0.0)
-            tokens_per_s[w["model"]] = tokens_per_s.get(w["model"], 0.0) + rate
-            if w["state"] == "ready":
-                ready[w["model"]] += 1
-            elif w["state"] == "starting":
-                starting[w["model"]] += 1
+        tally = Tally.of(list_workers(self.redis, self.settings))
+        ready, starting, tokens_per_s = tally.ready, tally.starting, tally.tokens_per_s
         overrides = self.store.overrides()
         windows: dict[str, list[ScalingWindow]] = {}
         for row in self.store.windows():

@@ -22,7 +22,10 @@ from config import Settings, load_catalog
 from db.jobs import JobStore
 from db.schema import Job
 from db.session import Database
+from fleet.reaper import Reaper
 from fleet.registry import Heartbeat, WorkerReport, registry_key
+from fleet.scaler_state import ScalerState
+from tasks.events import EventLog
 from tests.integration.test_scaling import (
     controls_for,
     make_models,
@@ -209,4 +212,52 @@ def test_events_say_who_and_why_and_only_operators_read_them(
         assert (reaped["job_id"], reaped["action"], reaped["worker"]) == (lost, "requeued", ghost)
         assert reaped["why"] == "worker lost"
     finally:
+        db.dispose()
+
+
+def test_without_a_scaler_the_reapers_sweeps_keep_the_history(
+    migrated: Settings, api_url: str, admin_token: str, tmp_path: Path
+) -> None:
+    """Workers started by hand (or by Kubernetes' autoscaling): no scaler leads, so the
+    reaper's sweeps record the gauges, ``desired`` null; never while a scaler leads."""
+    model = unique("hist-noscaler")
+    settings = settings_for(migrated, make_models(tmp_path / "models", {model: {}}))
+    db = Database(settings.database_url)
+    client = redis.Redis.from_url(settings.redis_url)
+    reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client)
+    lock = ScalerState.lock_key_of(settings)
+    client.delete(lock)
+    queued = [add_job(db, model, "queued", created_at=datetime.now(UTC)) for _ in range(3)]
+    report = WorkerReport(id=f"{model}@test:1:abc", model=model, state="ready", tokens_per_s=7.0)
+    beat = Heartbeat(client, settings, report)
+    try:
+        beat.beat()
+        reaper.sweep()
+        now = datetime.now(UTC)
+        window = {
+            "from": (now - timedelta(minutes=2)).isoformat(),
+            "to": (now + timedelta(minutes=2)).isoformat(),
+        }
+        r = get_history(api_url, admin_token, model=model, **window)
+        assert r.status_code == 200, r.text
+        series = r.json()["models"][model]
+        assert series["queue_depth"] == [3] and series["running"] == [0]
+        assert series["ready"] == [1] and series["tokens_per_s"] == [7.0]
+        assert series["desired"] == [None]
+
+        # A scaler leads: the history is its to write, the sweep adds nothing.
+        client.set(lock, "a-scaler", px=30_000)
+        before = get_history(api_url, admin_token, model=model, **window).json()["models"]
+        assert not reaper.record_history()
+        reaper.sweep()
+        after = get_history(api_url, admin_token, model=model, **window).json()["models"]
+        assert after == before
+    finally:
+        client.delete(lock)
+        beat.stop()
+        with db.session() as s:
+            for job_id in queued:
+                job = s.get(Job, job_id)
+                if job is not None:
+                    s.delete(job)
         db.dispose()
