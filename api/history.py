@@ -3,7 +3,8 @@
 Operators and admins only. The range is ``last`` (``90m``, ``1h``, ``1d``,
 ``7d``: up to now) or ``from`` (and optionally ``to``, default now), ISO 8601
 with a zone; neither is the last hour. What is recorded and how:
-:mod:`fleet.history`.
+:mod:`fleet.history`. A range over 12 hours is served in buckets of several
+minutes (``step_s``; a day: 5 minutes, a week: 15), at most 720 points a series.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from api.services import services
 from db.history import HistoryStore
 from db.scaling import ScalingStore
 from db.schema import ScalingWindow
-from fleet.history import MINUTE
+from fleet.history import MINUTE, downsample, step_for
 from fleet.history import events as farm_events
 from fleet.scaler_state import policy_for
 from fleet.schedule import active_spans
@@ -121,13 +122,15 @@ def history() -> Response:
     store = HistoryStore(svc.db)
     scaling = ScalingStore(svc.db)
     window = {"start": start, "end": end}
+    step = step_for(end - start)
+    series = store.series(start, end, query.model)
     return jsonify(
         {
             "from": start.isoformat(),
             "to": end.isoformat(),
-            "step_s": int(MINUTE.total_seconds()),
+            "step_s": int(step.total_seconds()),
             "retention_s": svc.settings.history_retention_s,
-            "models": store.series(start, end, query.model),
+            "models": {model: downsample(columns, step) for model, columns in series.items()},
             "events": farm_events(
                 scaling.decisions(query.model, query.events, **window),
                 scaling.audit(query.model, query.events, **window),

@@ -117,7 +117,8 @@ class HistoryStore:
                     row.samples = n + 1
                     row.queue_depth = max(row.queue_depth, sample.queue_depth)
                     row.running = max(row.running, sample.running)
-                    row.desired = sample.desired
+                    if sample.desired is not None:  # a reaper's sample does not know it
+                        row.desired = sample.desired
                     row.ready = sample.ready
                     row.starting = sample.starting
         except IntegrityError:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from config import Settings
@@ -40,6 +40,81 @@ from db.schema import JobStatus
 log = logging.getLogger(__name__)
 
 MINUTE = timedelta(minutes=1)
+
+
+# The most points one series of the history route has: a longer range is served in
+# buckets of several minutes (:func:`step_for`, :func:`downsample`).
+MAX_POINTS = 720
+_STEPS_MIN = (1, 5, 15, 30, 60, 180, 360, 720, 1440)
+_LAST = object()  # a gauge that keeps its last value in a bucket
+
+
+def step_for(span: timedelta) -> timedelta:
+    """The bucket a range of ``span`` is served in: one minute up to 12 hours, then
+    5, 15, 30 … minutes so that a series has at most :data:`MAX_POINTS` points
+    (a day: 5 minutes, a week: 15)."""
+    minutes = span / MINUTE
+    for step in _STEPS_MIN:
+        if minutes / step <= MAX_POINTS:
+            return MINUTE * step
+    return MINUTE * _STEPS_MIN[-1]
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return percentile(values, 0.5)
+
+
+# How a bucket folds its minutes, per column: the highest depth and running count,
+# the last replica counts, the mean rate, the sums of jobs, the median of the
+# minutes' p50s and the highest of their p95s (what the minutes' rollups allow:
+# the jobs' own times are not kept per minute).
+_FOLDS: dict[str, Any] = {
+    "queue_depth": max,
+    "running": max,
+    "desired": _LAST,
+    "ready": _LAST,
+    "starting": _LAST,
+    "tokens_per_s": lambda v: round(sum(v) / len(v), 2),
+    "jobs_started": sum,
+    "jobs_finished": sum,
+    "errors": sum,
+    "ttft_p50_s": _median,
+    "ttft_p95_s": max,
+    "queue_wait_p50_s": _median,
+    "queue_wait_p95_s": max,
+}
+
+
+def downsample(columns: Mapping[str, list[Any]], step: timedelta) -> dict[str, list[Any]]:
+    """One model's one-minute columns (``minute`` and the rollups) in buckets of ``step``.
+
+    A bucket starts at a multiple of ``step`` since the epoch (so a refresh
+    keeps the same buckets) and holds the minutes of it that have rows; null
+    values are left out of its fold, and a bucket of nulls stays null.
+    """
+    if step <= MINUTE:
+        return {name: list(values) for name, values in columns.items()}
+    step_s = int(step.total_seconds())
+    folded: dict[str, list[Any]] = {name: [] for name in columns}
+    groups: dict[str, list[int]] = {}
+    for i, minute in enumerate(columns["minute"]):
+        at = datetime.fromisoformat(minute).timestamp()
+        start = datetime.fromtimestamp(at - at % step_s, tz=UTC).isoformat()
+        groups.setdefault(start, []).append(i)
+    for start, rows in groups.items():
+        folded["minute"].append(start)
+        for name, values in columns.items():
+            if name == "minute":
+                continue
+            present = [values[i] for i in rows if values[i] is not None]
+            fold = _FOLDS.get(name, _LAST)
+            if not present:
+                folded[name].append(None)
+            elif fold is _LAST:
+                folded[name].append(present[-1])
+            else:
+                folded[name].append(fold(present))
+    return folded
 
 
 def minute_of(at: datetime) -> datetime:

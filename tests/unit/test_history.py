@@ -10,7 +10,16 @@ from api.errors import ValidationFailed
 from api.history import HistoryQuery, time_range
 from db.history import JobTimes
 from db.scaling import DecisionRecord
-from fleet.history import decision_kind, events, job_figures, minute_of, percentile
+from fleet.history import (
+    MAX_POINTS,
+    decision_kind,
+    downsample,
+    events,
+    job_figures,
+    minute_of,
+    percentile,
+    step_for,
+)
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 S = timedelta(seconds=1)
@@ -116,3 +125,37 @@ def test_bad_ranges_are_refused_naming_the_field(query: dict[str, str], field: s
     with pytest.raises(ValidationFailed) as caught:
         time_range(HistoryQuery.model_validate(query), NOW)
     assert caught.value.field == field
+
+
+def test_a_range_has_at_most_720_points_a_series() -> None:
+    assert step_for(timedelta(hours=1)) == timedelta(minutes=1)
+    assert step_for(timedelta(hours=12)) == timedelta(minutes=1)
+    assert step_for(timedelta(days=1)) == timedelta(minutes=5)
+    assert step_for(timedelta(days=7)) == timedelta(minutes=15)
+    for days in (1, 7, 30, 366):
+        assert timedelta(days=days) / step_for(timedelta(days=days)) <= MAX_POINTS
+
+
+def test_buckets_fold_each_column_its_own_way_and_keep_gaps() -> None:
+    minutes = ["2026-03-02T09:00:00+00:00", "2026-03-02T09:01:00+00:00",
+               "2026-03-02T09:04:00+00:00", "2026-03-02T09:07:00+00:00"]  # fmt: skip
+    columns = {
+        "minute": minutes,
+        "queue_depth": [3, 9, 1, 0],
+        "desired": [1, 2, None, 4],
+        "tokens_per_s": [10.0, 20.0, 30.0, 5.0],
+        "jobs_finished": [1, 2, 3, 4],
+        "ttft_p50_s": [0.1, None, 0.3, None],
+        "ttft_p95_s": [0.5, None, 0.9, None],
+    }
+    folded = downsample(columns, timedelta(minutes=5))
+    assert folded == {
+        "minute": ["2026-03-02T09:00:00+00:00", "2026-03-02T09:05:00+00:00"],
+        "queue_depth": [9, 0],
+        "desired": [2, 4],  # the last value the bucket has
+        "tokens_per_s": [20.0, 5.0],
+        "jobs_finished": [6, 4],
+        "ttft_p50_s": [pytest.approx(0.2), None],
+        "ttft_p95_s": [0.9, None],
+    }
+    assert downsample(columns, timedelta(minutes=1)) == columns
