@@ -692,7 +692,7 @@ def job_events(job_id: str) -> Response:
             yield "retry: 1000\n\n"
             for event in events:
                 if event is None:
-                    frame = waiting.tick() if waiting is not None else None
+                    frame = waiting.tick()
                     # No id: a waiting frame is not an event of the job's log.
                     yield (
                         ": keep-alive\n\n"
@@ -700,8 +700,7 @@ def job_events(job_id: str) -> Response:
                         else f"event: waiting\ndata: {json.dumps(frame)}\n\n"
                     )
                     continue
-                if waiting is not None:
-                    waiting.seen(event)
+                waiting.seen(event)
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event.to_json()}\n\n"
         finally:
             # Also when a write timed out: the job runs on, Last-Event-ID resumes.
@@ -762,11 +761,10 @@ def close_socket(ws: Any, code: int, message: str) -> None:
         ws.close(reason=code, message=message)
 
 
-def _waiting_watch(job: Job) -> WaitingWatch | None:
+def _waiting_watch(job: Job) -> WaitingWatch:
     """``?waiting=1``: the stream also carries ``waiting`` frames (api/waiting.py)."""
-    if request.args.get("waiting", "").lower() not in ("1", "true", "yes"):
-        return None
-    return WaitingWatch(job.model)
+    asked = request.args.get("waiting", "").lower() in ("1", "true", "yes")
+    return WaitingWatch(job.model, asked=asked)
 
 
 def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> None:
@@ -786,12 +784,11 @@ def _relay_job(ws: Any, job: Job, after: int, principal: Principal | None) -> No
             if event is None:
                 if not ws.connected:  # gone (or closed for a too big message) meanwhile
                     return
-                frame = waiting.tick() if waiting is not None else None
+                frame = waiting.tick()
                 if frame is not None:
                     send_frame(ws, json.dumps(frame), timeout_s, give_up=lambda: watch.lagging)
                 continue
-            if waiting is not None:
-                waiting.seen(event)
+            waiting.seen(event)
             send_frame(ws, event.to_json(), timeout_s, give_up=lambda: watch.lagging)
     except ConnectionClosed:
         return

@@ -51,11 +51,12 @@ def waiting_frame(model: str) -> dict[str, Any] | None:
 
 class WaitingWatch:
     """The ``waiting`` frames of one relayed job: call :meth:`seen` with each of its
-    events and :meth:`tick` when the stream is idle."""
+    events and :meth:`tick` when the stream is idle. A watch made with ``asked``
+    false (a stream that did not ask for them) never has one."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, asked: bool = True) -> None:
         self.model = model
-        self.started = False
+        self.started = not asked
         self._last: dict[str, Any] | None = None
 
     def seen(self, event: JobEvent) -> None:
