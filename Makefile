@@ -61,9 +61,15 @@ lint: $(VENV)/.installed-dev
 # pip builds llama.cpp from source the first time (about 5 minutes on 2 cores).
 PEER_VENV := .switchyard/bench/peer-venv
 
+# llama.cpp is built for this CPU (GGML_NATIVE) but without its AMX matrix
+# products: on a Xeon with AMX (Sapphire Rapids and later), llama-cpp-python
+# 0.3.36 built natively dies of SIGILL (tilezero in ggml_backend_amx_mul_mat)
+# at its first request; without AMX it runs its AVX-512 VNNI kernels.
+PEER_CMAKE_ARGS := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+
 $(PEER_VENV)/.installed: bench/requirements-peer.txt
 	$(PYTHON) -m venv $(PEER_VENV)
-	$(PEER_VENV)/bin/pip install -q -r bench/requirements-peer.txt
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" $(PEER_VENV)/bin/pip install -q --no-cache-dir -r bench/requirements-peer.txt
 	@touch $@
 
 bench-setup: $(PEER_VENV)/.installed
