@@ -245,6 +245,19 @@ def wait_http(url: str, timeout: float = 60) -> None:
     raise AssertionError(f"{url} did not answer in {timeout} s")
 
 
+@contextmanager
+def serving(
+    argv: list[str], env: dict[str, str], log_path: Path, ready_url: str, timeout: float = 60
+) -> Iterator[Process]:
+    """A server process, once ``ready_url`` answers 200; stopped when the block ends."""
+    proc = Process(argv, env, log_path)
+    try:
+        wait_http(ready_url, timeout=timeout)
+        yield proc
+    finally:
+        proc.stop()
+
+
 def ws_events(
     base_url: str, job_id: str, token: str, *, after: int | None = None, timeout: float = 120
 ) -> list[dict[str, Any]]:

@@ -28,17 +28,14 @@ def flower(migrated: Settings, log_dir: Path) -> Iterator[str]:
     port = farm.free_port()
     env = {**farm.settings_env(migrated), "FLOWER_UNAUTHENTICATED_API": "true"}
     argv = [sys.executable, "-m", "celery", "-A", "tasks", "flower"]
-    proc = farm.Process(
+    url = f"http://127.0.0.1:{port}"
+    with farm.serving(
         [*argv, f"--port={port}", "--address=127.0.0.1"],
         env,
         log_dir / f"flower-{time.time_ns()}.log",
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        farm.wait_http(f"{url}/healthcheck", timeout=60)
+        f"{url}/healthcheck",
+    ):
         yield url
-    finally:
-        proc.stop()
 
 
 def test_flower_shows_the_farm_worker_online_and_a_finished_job(
