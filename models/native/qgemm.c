@@ -36,6 +36,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -478,6 +484,8 @@ static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *
 
 int sy_panels(void) { return SY_PANELS; }
 
+#define PRIVATE_ROWS 16 /* rows every thread quantizes for itself (sy_pgemm) */
+
 
 /*
  * y[rows, n] = x[rows, k] @ W[n, k]^T for W in panels (kind 0: Q4_1, 1: Q8_0):
@@ -489,30 +497,41 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
              const uint16_t *m, int n, float *y) {
 #if SY_PANELS
     const int blocks = k / QK, pairs = (n / 16 + 1) / 2;
-    block_q16 *xq = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows);
-    if (!xq) return -1;
+    /* Up to PRIVATE_ROWS rows (a decoding step), every thread quantizes them all for
+       itself: a few microseconds, and no barrier between quantizing and the
+       products, where a step waits longest when the OS has taken a core from one
+       of its threads. */
+    const int private = rows <= PRIVATE_ROWS;
+    const int copies = private ? omp_get_max_threads() : 1;
+    block_q16 *buffer = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows * (size_t)copies);
+    if (!buffer) return -1;
 #pragma omp parallel
     {
+        block_q16 *xq = buffer;
+        if (private) {
+            xq += (size_t)omp_get_thread_num() * blocks * rows;
+            for (int r = 0; r < rows; r++)
+                quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+        } else {
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++)
-            quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
-        {
-            /* Handed out one pair of panels at a time: when the OS takes a core
-               from one thread (a worker shares the machine with the API, Redis and
-               other processes), the other takes over its share rather than the
-               step waiting for it at the end. */
+            for (int r = 0; r < rows; r++)
+                quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+        }
+        /* Handed out one pair of panels at a time: when the OS takes a core
+           from one thread (a worker shares the machine with the API, Redis and
+           other processes), the other takes over its share rather than the
+           step waiting for it at the end. */
 #pragma omp for schedule(dynamic, 1)
-            for (int t = 0; t < pairs; t++) {
-                const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
-                for (int r0 = 0; r0 < rows; r0 += PR) {
-                    const int nr = rows - r0 < PR ? rows - r0 : PR;
-                    panel_any(kind, xq + (size_t)r0 * blocks, blocks, codes, d, m, g, g2, nr,
-                              y + (size_t)r0 * n, n);
-                }
+        for (int t = 0; t < pairs; t++) {
+            const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
+            for (int r0 = 0; r0 < rows; r0 += PR) {
+                const int nr = rows - r0 < PR ? rows - r0 : PR;
+                panel_any(kind, xq + (size_t)r0 * blocks, blocks, codes, d, m, g, g2, nr,
+                          y + (size_t)r0 * n, n);
             }
         }
     }
-    free(xq);
+    free(buffer);
     return 0;
 #else
     (void)kind, (void)x, (void)rows, (void)k, (void)codes, (void)d, (void)m, (void)n, (void)y;
