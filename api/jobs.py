@@ -66,10 +66,10 @@ from db.jobs import EXPIRED, DuplicateIdempotencyKey
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
 from fleet.scaler_state import wake_if_idle
-from tasks.events import JobEvent, usage
-from tasks.joblog import log_job_event
-from tasks.messages import queue_generate
-from tasks.queues import queue_name
+from jobs.events import JobEvent, usage
+from jobs.joblog import log_job_event
+from jobs.messages import queue_generate
+from jobs.queues import queue_name
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ hosts without ``PROMETHEUS_MULTIPROC_DIR``:
   the worker registry, desired replicas from the scaler, waiting broker
   messages from Redis;
 * counters and histograms every process adds to in Redis
-  (:mod:`tasks.metrics`) — tokens, time to first token, inter-token latency,
+  (:mod:`jobs.metrics`) — tokens, time to first token, inter-token latency,
   end-to-end latency, queue wait, restarts, and the API's requests by route
   template, method and status (recorded here, per request).
 
@@ -37,9 +37,9 @@ from api.auth import OPERATORS, require_role
 from api.services import Services, services
 from fleet.capacity import fleet, worker_status
 from fleet.registry import list_workers
-from tasks import metrics as m
-from tasks.messages import BrokerView
-from tasks.metrics import MetricsStore
+from jobs import metrics as m
+from jobs.messages import BrokerView
+from jobs.metrics import MetricsStore
 
 bp = Blueprint("metrics", __name__)
 

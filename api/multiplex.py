@@ -80,7 +80,7 @@ from api.waiting import WaitingWatch
 from config import Settings
 from db.accounts import Principal
 from db.schema import Job, JobStatus
-from tasks.events import JobEvent
+from jobs.events import JobEvent
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from api.services import services
 from api.streams import sse_response
 from config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, OPENAI_MAX_TEMPERATURE
 from db.schema import Job
-from tasks.events import usage_of
+from jobs.events import usage_of
 
 bp = Blueprint("openai", __name__)
 envelopes.register(bp, envelopes.openai_body)

@@ -21,7 +21,7 @@ from db.accounts import Accounts
 from db.jobs import JobStore
 from db.lookups import RowCache
 from db.session import Database
-from tasks.events import EventLog
+from jobs.events import EventLog
 
 EXTENSION = "switchyard"
 

@@ -62,7 +62,7 @@ from api.streams import sse_response
 from config.sampling import MAX_STOP_STRINGS
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
-from tasks.events import StreamedOutput, usage_of
+from jobs.events import StreamedOutput, usage_of
 
 bp = Blueprint("tgi", __name__)
 envelopes.register(bp, envelopes.tgi_body)

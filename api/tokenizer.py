@@ -39,7 +39,7 @@ from api.schemas import Message, json_body, parse
 from api.services import services
 from config import Catalog, ModelDefinition, Settings
 from config.catalog import GGUFSource, HubSource, LocalSource, RandomSource
-from tasks.tokenizers import fetch_tokenizer_files, read_tokenizer_files
+from fleet.tokenizers import fetch_tokenizer_files, read_tokenizer_files
 
 bp = Blueprint("tokenizer", __name__)
 

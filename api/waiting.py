@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from api.services import services
 from fleet.registry import list_workers, load_estimate
-from tasks.events import JobEvent
+from jobs.events import JobEvent
 
 # How long one read of the worker registry serves every waiting job of this
 # process, in seconds.

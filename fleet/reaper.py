@@ -54,11 +54,11 @@ from db.schema import Job, utcnow
 from fleet.history import HistoryRecorder
 from fleet.registry import Tally, last_beats, list_workers, live_reports, prune_lost
 from fleet.scaler_state import ScalerState
-from tasks import metrics as m
-from tasks.events import EventLog, JobEvent
-from tasks.joblog import log_job_event
-from tasks.messages import BrokerView, send_generate
-from tasks.metrics import MetricsStore
+from jobs import metrics as m
+from jobs.events import EventLog, JobEvent
+from jobs.joblog import log_job_event
+from jobs.messages import BrokerView, send_generate
+from jobs.metrics import MetricsStore
 
 log = logging.getLogger(__name__)
 

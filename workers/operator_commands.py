@@ -106,7 +106,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     from db.jobs import JobStore
     from db.session import Database
     from fleet.reaper import Reaper, ReaperLoop
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     settings = _settings()
     configure_logging(settings)

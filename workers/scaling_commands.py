@@ -65,7 +65,7 @@ def reaper_hook(settings: Settings, db: Any, client: Any) -> Callable[[], Any]:
     """
     from db.jobs import JobStore
     from fleet.reaper import Reaper
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client)
     return reaper.sweep

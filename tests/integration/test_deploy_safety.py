@@ -25,7 +25,7 @@ from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
-from tasks.events import EventLog, JobEvent
+from jobs.events import EventLog, JobEvent
 from tests import farm
 from tests.integration.test_executor_local import python
 from tests.integration.test_scaling import make_models, settings_for, unique

@@ -314,7 +314,7 @@ def unfinished_report(
     fm: Farm,
 ) -> str:
     """What a job that never ended looked like: its row, the broker, the processes' logs."""
-    from tasks.messages import BrokerView
+    from jobs.messages import BrokerView
 
     broker = BrokerView(client)
     lines = []
@@ -462,7 +462,7 @@ def test_redis_restart_under_a_running_farm(
                 s for j in jobs.values() if (s := ts(j["timestamps"]["started"])) and s > back_at
             )
             # The new Redis holds no message for a finished job.
-            from tasks.messages import BrokerView
+            from jobs.messages import BrokerView
 
             assert BrokerView(client).waiting_ids(MODEL) == set()
             post = probe(url + "/v1/jobs", "POST", json=job_body(8), headers=auth(token))

@@ -41,7 +41,7 @@ from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
 from fleet.registry import list_workers
-from tasks.events import EventLog
+from jobs.events import EventLog
 from tests import farm
 
 CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]

@@ -21,8 +21,8 @@ import requests
 
 from config import Settings
 from fleet.registry import list_workers
-from tasks.events import EventLog
-from tasks.messages import BrokerView, queue_keys
+from jobs.events import EventLog
+from jobs.messages import BrokerView, queue_keys
 from tests import farm
 
 MODEL = "tiny-recovery"

@@ -253,7 +253,7 @@ def test_scale_down_hands_running_jobs_over_in_seconds_and_their_text_stays_whol
     jobs over at once (the default grace, 0) and exits within 5 s; they continue
     on the other worker and end with the uninterrupted answer."""
     from db.jobs import JobStore
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     model = unique("sc-handover")
     settings = settings_for(

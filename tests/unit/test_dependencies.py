@@ -22,8 +22,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from config.settings import PROJECT_ROOT
+from tests.import_rules import PACKAGES
 
-PACKAGES = ("api", "tasks", "workers", "fleet", "models", "db", "config", "client")
 # Declared but never imported, each for a reason.
 NOT_IMPORTED = {
     "gunicorn": "runs the API as a program (python -m gunicorn)",
