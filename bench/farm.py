@@ -777,7 +777,7 @@ def farm_phase(
         stack.callback(api.stop)
         worker = Child(
             "worker",
-            [sys.executable, "-m", "workers", "worker", "--model", args.model],
+            [sys.executable, "-m", "cli", "worker", "--model", args.model],
             env,
             log_dir,
         )

@@ -207,7 +207,7 @@ class LoadFarm:
         self.api = start_api(self.env, self.api_threads, self.log_dir)
         for model in MODELS:
             for i in range(self.per_model):
-                argv = [sys.executable, "-m", "workers", "worker", "--model", model]
+                argv = [sys.executable, "-m", "cli", "worker", "--model", model]
                 self.workers[model].append(
                     Child(f"worker-{model}-{i}", argv, self.env, self.log_dir)
                 )

@@ -238,7 +238,7 @@ def running_farm(
         url = stack.enter_context(farm.serve_gunicorn(settings, log_dir))
         scaler_env = {**farm.settings_env(settings), "SWITCHYARD_SCALER_INTERVAL_S": "0.5"}
         scaler = farm.Process(
-            [sys.executable, "-m", "workers", "scaler", "--executor", "none"],
+            [sys.executable, "-m", "cli", "scaler", "--executor", "none"],
             scaler_env,
             log_dir / f"scaler-{time.time_ns()}.log",
         )

@@ -123,7 +123,7 @@ def child_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 def start_scaler(settings: Settings, log_dir: Path, **extra: str) -> farm.Process:
-    argv = [sys.executable, "-m", "workers", "scaler", "--executor", "local"]
+    argv = [sys.executable, "-m", "cli", "scaler", "--executor", "local"]
     return farm.Process(
         argv, child_env(settings, **extra), log_dir / f"scaler-{time.time_ns()}.log"
     )

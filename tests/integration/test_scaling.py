@@ -453,7 +453,7 @@ def _scaler_process(settings: Settings, log_dir: Path) -> farm.Process:
             "SWITCHYARD_SCALER_LOCK_TTL_S": str(settings.scaler_lock_ttl_s),
         }
     )
-    argv = [sys.executable, "-m", "workers", "scaler", "--executor", "local"]
+    argv = [sys.executable, "-m", "cli", "scaler", "--executor", "local"]
     return farm.Process(argv, env, log_dir / f"scaler-{time.time_ns()}.log")
 
 

@@ -40,3 +40,8 @@ def test_the_neutral_packages_import_neither_side() -> None:
         "jobs.a imports fleet.b",
         "jobs.a imports tasks.celery",
     ]
+
+
+def test_importing_the_command_line_is_a_breach() -> None:
+    graph = {"workers.a": {"cli.main"}, "cli.main": {"cli.scaling", "workers.a"}}
+    assert import_rules.forbidden_imports(graph) == ["workers.a imports cli.main"]

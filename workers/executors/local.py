@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 def worker_command(model: str) -> list[str]:
     """A model worker's command line (the Procfile's ``worker``)."""
-    return [sys.executable, "-m", "workers", "worker", "--model", model]
+    return [sys.executable, "-m", "cli", "worker", "--model", model]
 
 
 @dataclass

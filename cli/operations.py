@@ -14,10 +14,10 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from cli.steering import announce
+from cli.steering import command_settings as _settings
 from config import CatalogError, load_catalog
 from config.logs import configure_logging
-from workers.steering import announce
-from workers.steering import command_settings as _settings
 
 
 def _table(rows: list[list[str]]) -> str:

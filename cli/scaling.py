@@ -26,12 +26,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from cli.steering import announce
+from cli.steering import command_settings as _settings
 from config import Settings, load_catalog
 from config.catalog import SCALING_TUNABLES
 from config.farm_record import describe_farm
 from config.logs import configure_logging
-from workers.steering import announce
-from workers.steering import command_settings as _settings
 
 
 def _controls(settings: Settings) -> Any:
