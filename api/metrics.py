@@ -111,7 +111,7 @@ class FarmCollector:
         )
         tally: dict[tuple[str, str], int] = {}
         for w in workers:
-            key = (str(w["model"]), worker_status(w))
+            key = (w.model, worker_status(w))
             tally[key] = tally.get(key, 0) + 1
         for c in capacity:
             for state in WORKER_STATES:
@@ -139,12 +139,12 @@ class FarmCollector:
             labels=["model", "worker"],
         )
         for w in workers:
-            model, wid = str(w["model"]), str(w["id"])
-            age.add_metric([model, wid, worker_status(w)], float(w.get("heartbeat_age_s", 0.0)))
-            if not w.get("lost"):
-                busy.add_metric([model, wid], float(w.get("busy_slots", 0)))
-                slots.add_metric([model, wid], float(w.get("total_slots", 0)))
-                speed.add_metric([model, wid], float(w.get("tokens_per_s", 0.0)))
+            model, wid = w.model, w.id
+            age.add_metric([model, wid, worker_status(w)], float(w.heartbeat_age_s))
+            if not w.lost:
+                busy.add_metric([model, wid], float(w.busy_slots))
+                slots.add_metric([model, wid], float(w.total_slots))
+                speed.add_metric([model, wid], float(w.tokens_per_s))
         yield from (age, busy, slots, speed)
 
     def _stored(self) -> Iterator[Metric]:

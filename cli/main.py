@@ -106,8 +106,8 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
         except redis.RedisError as exc:
             print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
             return 1
-        mine = [w for w in workers if w["host"] == host and not w["lost"]]
-        if any(w["state"] in ("ready", "starting") for w in mine):
+        mine = [w for w in workers if w.host == host and not w.lost]
+        if any(w.state in ("ready", "starting") for w in mine):
             return 0
         print(f"unhealthy: no live worker on {host}", file=sys.stderr)
         return 1

@@ -420,7 +420,7 @@ def test_redis_restart_under_a_running_farm(
 
             def beating() -> float | None:
                 try:
-                    pids = {w["pid"] for w in list_workers(client, settings) if not w["lost"]}
+                    pids = {w.pid for w in list_workers(client, settings) if not w.lost}
                 except redis.RedisError:
                     return None
                 return time.time() if pids >= {p.proc.pid for p in procs} else None

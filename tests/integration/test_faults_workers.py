@@ -177,9 +177,9 @@ def ready_workers(settings: Settings, parent: int) -> dict[str, int]:
     client = redis.Redis.from_url(settings.redis_url)
     kids = children_of(parent)
     return {
-        str(w["id"]): int(w["pid"])
+        w.id: w.pid
         for w in list_workers(client, settings)
-        if w["state"] == "ready" and not w["lost"] and int(w["pid"]) in kids
+        if w.state == "ready" and not w.lost and w.pid in kids
     }
 
 

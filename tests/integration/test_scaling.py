@@ -32,7 +32,7 @@ from config.settings import PROJECT_ROOT
 from db.scaling import ScalingStore
 from db.session import Database
 from fleet.controls import ScalingControls
-from fleet.registry import list_workers
+from fleet.registry import RegisteredWorker, list_workers
 from fleet.scaler_state import LeaderLock, ScalerState
 from tests import farm
 from workers.executors.local import LocalExecutor
@@ -91,13 +91,13 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float =
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def live_workers(settings: Settings, model: str) -> list[dict[str, Any]]:
+def live_workers(settings: Settings, model: str) -> list[RegisteredWorker]:
     client = redis.Redis.from_url(settings.redis_url)
-    return [w for w in list_workers(client, settings) if w["model"] == model and not w["lost"]]
+    return [w for w in list_workers(client, settings) if w.model == model and not w.lost]
 
 
 def ready_pids(settings: Settings, model: str) -> set[int]:
-    return {w["pid"] for w in live_workers(settings, model) if w["state"] == "ready"}
+    return {w.pid for w in live_workers(settings, model) if w.state == "ready"}
 
 
 def make_scaler(
@@ -230,7 +230,7 @@ def test_manual_scale_zero_two_one_zero_drains_before_stopping(
             drain_at = datetime.now(UTC)
             scaler.tick()
             settle(
-                lambda: any(w["state"] == "draining" for w in live_workers(settings, model)),
+                lambda: any(w.state == "draining" for w in live_workers(settings, model)),
                 "the worker to report draining",
                 60,
             )
