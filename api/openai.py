@@ -37,7 +37,6 @@ from api.errors import ValidationFailed
 from api.jobs import (
     IDEMPOTENCY_HEADER,
     Submitted,
-    cancel,
     final_event,
     follow_job,
     idempotency_key_header,
@@ -352,7 +351,7 @@ def _stream(
         # The client went away, stopped reading (a write timed out) or the server is
         # stopping: free the job's slot.
         if not ended:
-            cancel(job.id)
+            services().job_service.cancel(job.id)
 
 
 def _sse(stream: Iterator[str], job: Job) -> Response:

@@ -40,7 +40,6 @@ from api.jobs import (
     IDEMPOTENCY_HEADER,
     JobFailed,
     authorize_model,
-    cancel,
     final_event,
     follow_job,
     idempotency_key_header,
@@ -284,7 +283,7 @@ def _stream(job: Job, body: GenerateRequest) -> Iterator[str]:
                 yield _data(envelopes.tgi_body(JobFailed(error)))
     finally:
         if not ended:  # the client went away or stopped reading: free the job's batch slot
-            cancel(job.id)
+            services().job_service.cancel(job.id)
 
 
 def _stream_response(job: Job, body: GenerateRequest) -> Response:

@@ -6,5 +6,7 @@ Both sides import this package; it imports none of ``api/``, ``tasks/``,
 jobs' messages it holds), ``events`` (each job's event log: a Redis Stream plus
 a pub/sub channel), ``joblog`` (one log line per event in a job's life) and
 ``metrics`` (the farm's counters and histograms of jobs, tokens and requests,
-kept in Redis so every process adds to the same numbers).
+kept in Redis so every process adds to the same numbers) and ``service``
+(:class:`~jobs.service.JobService`: enqueue, cancel and expire a job whose row
+exists, for every front door).
 """
