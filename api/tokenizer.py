@@ -13,7 +13,7 @@ Where the files are (see ``models/loader.py``): a GGUF model's under
 first load), a local model's in its folder, a hub model's in the local hub
 cache, a random model's from its ``tokenizer_from`` model. Where the API does
 not share the workers' disk (compose, Kubernetes) it uses the files a worker
-published to Redis when it loaded the model (``tasks/tokenizers.py``). Until
+published to Redis when it loaded the model (``fleet/tokenizers.py``). Until
 either exists the route answers 503 saying so.
 """
 

@@ -746,7 +746,7 @@ def test_postgres_restart_under_a_running_farm(
 
 
 def _resent_jobs(log: str) -> list[str]:
-    """The job ids of the reaper's "queued again" lines (tasks/joblog.py) in ``log``."""
+    """The job ids of the reaper's "queued again" lines (jobs/joblog.py) in ``log``."""
     return [
         line.split("job_id=", 1)[1].split()[0]
         for line in log.splitlines()
