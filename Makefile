@@ -54,7 +54,7 @@ faults: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(BIN)/mypy api tasks workers fleet models db config client
+	$(BIN)/mypy api cli tasks jobs workers fleet models db config client
 	$(PY) -m tests.import_rules
 
 # The benchmark's peer, llama-cpp-python's server, lives in a venv of its own;

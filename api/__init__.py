@@ -41,7 +41,7 @@ from config.logs import configure_logging
 from db.accounts import Accounts
 from db.jobs import JobStore
 from db.session import Database
-from tasks.events import EventLog
+from jobs.events import EventLog
 
 # Redis connections per API process (redis-py's default bound), and the longest
 # a request waits, in seconds, for one of them to be free.

@@ -23,12 +23,12 @@ def model_states(svc: Services) -> dict[str, dict[str, Any]]:
     ready: Counter[str] = Counter()
     starting: Counter[str] = Counter()
     for worker in list_workers(svc.redis, svc.settings):
-        if worker["lost"]:
+        if worker.lost:
             continue
-        if worker["state"] == "ready":
-            ready[worker["model"]] += 1
-        elif worker["state"] == "starting":
-            starting[worker["model"]] += 1
+        if worker.state == "ready":
+            ready[worker.model] += 1
+        elif worker.state == "starting":
+            starting[worker.model] += 1
     desired = ScalerState(svc.redis, svc.settings).desired()
     states = {}
     for definition in svc.catalog:

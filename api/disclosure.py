@@ -14,7 +14,7 @@ import re
 from dataclasses import replace
 
 from db.accounts import Principal
-from tasks.events import JobEvent
+from jobs.events import JobEvent
 
 # Errors worded for the client: a refused input field ("prompt: …"), the
 # queue deadline, the job timeout, the reaper's "worker lost N times".

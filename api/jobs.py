@@ -3,8 +3,8 @@
 :func:`submit_job` is the one submission path of every front door (native,
 OpenAI, TGI, the multiplexed websocket): model and auth checks, limits,
 idempotency, deadline, then the row, the ``queued`` event and the Celery
-message. :func:`follow_job` and :func:`cancel` are the shared reading and
-cancelling halves.
+message (:class:`jobs.service.JobService`, which also cancels and expires
+jobs). :func:`follow_job` is the shared reading half.
 """
 
 from __future__ import annotations
@@ -66,10 +66,9 @@ from db.jobs import EXPIRED, DuplicateIdempotencyKey
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
 from fleet.scaler_state import wake_if_idle
-from tasks.events import JobEvent, usage
-from tasks.joblog import log_job_event
-from tasks.messages import queue_generate
-from tasks.queues import queue_name
+from jobs.events import JobEvent
+from jobs.joblog import log_job_event
+from jobs.service import final_from_record
 
 log = logging.getLogger(__name__)
 
@@ -270,16 +269,8 @@ def submit_job(
         raise
     log_job_event("submitted", job)
     try:
-        # The `queued` event and the message in one round trip, all or nothing.
-        pipe = svc.redis.pipeline(transaction=True)
-        queued = JobEvent(seq=0, type="queued", fields={"model": req.model})
-        svc.events.append_to(pipe, job_id, [queued])
-        queue_generate(pipe, job_id, req.model)
-        pipe.execute()
-        log_job_event("queued", job, queue=queue_name(req.model))
-    except Exception as exc:  # broker or Redis down: nothing was accepted
-        log_job_event("failed", job, error=f"not enqueued: {type(exc).__name__}; not kept")
-        svc.jobs.delete(job_id)
+        svc.job_service.enqueue(job)
+    except Exception as exc:  # broker or Redis down: nothing was accepted (row deleted)
         # Redis may be what is down; the prune on the caller's next refusal frees
         # the slot, and the window forgets the request within a minute.
         with contextlib.suppress(Exception):
@@ -342,70 +333,9 @@ class JobFailed(ApiError):
             self.status, self.error_type = 500, "generation_error"
 
 
-CancelResult = Literal["cancelled", "cancel_requested", "final"]
-
-
-def cancel(job_id: str) -> CancelResult:
-    """Stop a job: a queued one ends at once (``done`` event, cancelled), a
-    running one is asked to stop at its worker's next step (its batch slot is
-    freed then), a final one is left alone.
-    """
-    svc = services()
-    if svc.jobs.cancel_queued(job_id):
-        seq = svc.events.next_seq(job_id)
-        svc.events.append(
-            job_id,
-            [JobEvent(seq=seq, type="done", fields={"finish_reason": "cancelled", "text": ""})],
-        )
-        cancelled = svc.jobs.get(job_id)
-        if cancelled is not None:
-            log_job_event("cancelled", cancelled, by="api")
-        return "cancelled"
-    job = svc.jobs.get(job_id)
-    if job is not None and job.status == JobStatus.running.value:
-        svc.events.request_cancel(job_id)
-        return "cancel_requested"
-    return "final"
-
-
-def expire_if_due(job: Job) -> bool:
-    """Fail ``job`` if it is still queued past its deadline, with an ``error`` event.
-
-    Workers do this when they take an expired job; a client waiting on a model
-    with no worker at all gets its answer from here.
-    """
-    if job.deadline_at is None or utcnow() < job.deadline_at:
-        return False
-    svc = services()
-    if not svc.jobs.expire_queued(job.id):
-        return False
-    seq = svc.events.next_seq(job.id)
-    svc.events.append(job.id, [JobEvent(seq=seq, type="error", fields={"error": "expired"})])
-    log_job_event("failed", job, error="expired")
-    return True
-
-
 # How often a quiet stream's job row is read again, in seconds, to notice a job
 # that ended without its final event reaching the stream (see follow_job).
 RECORD_CHECK_S = 10.0
-
-
-def final_from_record(job: Job, seq: int) -> JobEvent:
-    """The final event of a finished ``job``, rebuilt from its row (``from_record``: true).
-
-    For a stream that no longer holds it: expired after ``stream_ttl_s``, or
-    lost with a Redis restart between the worker's write and any reader.
-    """
-    if job.status == JobStatus.failed:
-        return JobEvent(seq, "error", {"error": job.error or "failed", "from_record": True})
-    fields: dict[str, Any] = {
-        "finish_reason": job.finish_reason
-        or ("cancelled" if job.status == JobStatus.cancelled else "stop"),
-        "text": job.output_text or "",
-        "usage": usage(job.prompt_tokens or 0, job.completion_tokens or 0),
-        "from_record": True,
-    }
-    return JobEvent(seq, "done", fields)
 
 
 def job_row_key(job_id: str) -> str:
@@ -518,7 +448,7 @@ def _follow(
                     if ended is not None:
                         yield from ended
                         return
-                expire_if_due(job)
+                services().job_service.expire_if_due(job)
                 yield None
         finally:
             if watch is not None:
@@ -549,7 +479,7 @@ def final_event(job: Job, *, idle_s: float) -> JobEvent:
         if now >= next_check:
             next_check = now + CLIENT_CHECK_S
             if client_gone():
-                cancel(job.id)
+                services().job_service.cancel(job.id)
                 raise ClientClosed(f"the client went away; job {job.id} was cancelled")
     raise JobFailed("the event stream ended without a final event")  # pragma: no cover
 
@@ -648,7 +578,7 @@ def cancel_job(job_id: str) -> tuple[Response, int]:
     principal = optional_principal()
     svc = services()
     job = visible_job(job_id, principal)
-    result = cancel(job_id)
+    result = services().job_service.cancel(job_id)
     job = svc.jobs.get(job_id) or job
     full = sees_internals(principal)
     if result == "cancel_requested":

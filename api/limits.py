@@ -319,10 +319,10 @@ def check_capacity(
     key = f"live:{definition.name}"
     if rows.peek(key, LIVE_WORKER_MAX_AGE_S):
         return
-    workers = [w for w in list_workers(client, settings) if w.get("model") == definition.name]
-    # .get: a report from another version of the worker may lack a field; it must
-    # not turn a submission into a 500.
-    live = [w for w in workers if not w.get("lost") and w.get("state") in ("starting", "ready")]
+    # A report from another version of the worker may lack a field: it reads as its
+    # default (WorkerReport.parse), so it cannot turn a submission into a 500.
+    workers = [w for w in list_workers(client, settings) if w.model == definition.name]
+    live = [w for w in workers if not w.lost and w.state in ("starting", "ready")]
     if live:
         rows.put(key, True)
         return
@@ -331,8 +331,8 @@ def check_capacity(
             f"model {definition.name!r} has no workers and its scaling allows none "
             "(max_replicas is 0); ask an operator to raise it"
         )
-    if workers and all(w.get("state") == "failed" for w in workers):
-        reason = next((w.get("error") for w in workers if w.get("error")), None)
+    if workers and all(w.state == "failed" for w in workers):
+        reason = next((w.error for w in workers if w.error), None)
         detail = f": {reason}" if reason else ""
         raise Unavailable(
             f"every worker of model {definition.name!r} failed to start{detail}",

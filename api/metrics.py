@@ -8,7 +8,7 @@ hosts without ``PROMETHEUS_MULTIPROC_DIR``:
   the worker registry, desired replicas from the scaler, waiting broker
   messages from Redis;
 * counters and histograms every process adds to in Redis
-  (:mod:`tasks.metrics`) — tokens, time to first token, inter-token latency,
+  (:mod:`jobs.metrics`) — tokens, time to first token, inter-token latency,
   end-to-end latency, queue wait, restarts, and the API's requests by route
   template, method and status (recorded here, per request).
 
@@ -37,9 +37,9 @@ from api.auth import OPERATORS, require_role
 from api.services import Services, services
 from fleet.capacity import fleet, worker_status
 from fleet.registry import list_workers
-from tasks import metrics as m
-from tasks.messages import BrokerView
-from tasks.metrics import MetricsStore
+from jobs import metrics as m
+from jobs.messages import BrokerView
+from jobs.metrics import MetricsStore
 
 bp = Blueprint("metrics", __name__)
 
@@ -111,7 +111,7 @@ class FarmCollector:
         )
         tally: dict[tuple[str, str], int] = {}
         for w in workers:
-            key = (str(w["model"]), worker_status(w))
+            key = (w.model, worker_status(w))
             tally[key] = tally.get(key, 0) + 1
         for c in capacity:
             for state in WORKER_STATES:
@@ -139,12 +139,12 @@ class FarmCollector:
             labels=["model", "worker"],
         )
         for w in workers:
-            model, wid = str(w["model"]), str(w["id"])
-            age.add_metric([model, wid, worker_status(w)], float(w.get("heartbeat_age_s", 0.0)))
-            if not w.get("lost"):
-                busy.add_metric([model, wid], float(w.get("busy_slots", 0)))
-                slots.add_metric([model, wid], float(w.get("total_slots", 0)))
-                speed.add_metric([model, wid], float(w.get("tokens_per_s", 0.0)))
+            model, wid = w.model, w.id
+            age.add_metric([model, wid, worker_status(w)], float(w.heartbeat_age_s))
+            if not w.lost:
+                busy.add_metric([model, wid], float(w.busy_slots))
+                slots.add_metric([model, wid], float(w.total_slots))
+                speed.add_metric([model, wid], float(w.tokens_per_s))
         yield from (age, busy, slots, speed)
 
     def _stored(self) -> Iterator[Metric]:

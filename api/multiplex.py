@@ -68,7 +68,7 @@ from api.auth import (
 )
 from api.disclosure import sees_internals
 from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
-from api.jobs import cancel, follow_job, refuse_socket, submit_job
+from api.jobs import follow_job, refuse_socket, submit_job
 from api.limits import RateLimited
 from api.openapi import spec
 from api.request_ids import accepted, request_id, request_id_as
@@ -80,7 +80,7 @@ from api.waiting import WaitingWatch
 from config import Settings
 from db.accounts import Principal
 from db.schema import Job, JobStatus
-from tasks.events import JobEvent
+from jobs.events import JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class Session:
         if req is None:
             raise NotFound(f"id: no request {frame.id!r} on this socket", field="id")
         if not req.finished.is_set():
-            cancel(req.job.id)
+            services().job_service.cancel(req.job.id)
 
     # -- job events ------------------------------------------------------------
 
@@ -380,7 +380,7 @@ class Session:
         for req in requests:
             if not req.detach and not req.finished.is_set():
                 try:
-                    cancel(req.job.id)
+                    services().job_service.cancel(req.job.id)
                 except Exception:  # keep cancelling the others
                     log.exception("could not cancel job %s", req.job.id)
 

@@ -37,7 +37,6 @@ from api.errors import ValidationFailed
 from api.jobs import (
     IDEMPOTENCY_HEADER,
     Submitted,
-    cancel,
     final_event,
     follow_job,
     idempotency_key_header,
@@ -58,7 +57,7 @@ from api.services import services
 from api.streams import sse_response
 from config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, OPENAI_MAX_TEMPERATURE
 from db.schema import Job
-from tasks.events import usage_of
+from jobs.events import usage_of
 
 bp = Blueprint("openai", __name__)
 envelopes.register(bp, envelopes.openai_body)
@@ -352,7 +351,7 @@ def _stream(
         # The client went away, stopped reading (a write timed out) or the server is
         # stopping: free the job's slot.
         if not ended:
-            cancel(job.id)
+            services().job_service.cancel(job.id)
 
 
 def _sse(stream: Iterator[str], job: Job) -> Response:

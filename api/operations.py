@@ -16,31 +16,31 @@ from api.auth import OPERATORS, role_required
 from api.services import Services, services
 from fleet.capacity import fleet, worker_status
 from fleet.reaper import Reaper, ReaperLoop
-from fleet.registry import list_workers
+from fleet.registry import RegisteredWorker, list_workers
 
 bp = Blueprint("operations", __name__)
 
 REAPER_EXTENSION = "switchyard.reaper"
 
 
-def worker_view(report: dict[str, Any]) -> dict[str, Any]:
+def worker_view(report: RegisteredWorker) -> dict[str, Any]:
     """The public JSON shape of one worker."""
     return {
-        "id": report["id"],
-        "model": report["model"],
+        "id": report.id,
+        "model": report.model,
         "status": worker_status(report),
-        "state": report.get("state"),
-        "lost": bool(report.get("lost")),
-        "host": report.get("host"),
-        "pid": report.get("pid"),
-        "device": report.get("device"),
-        "busy_slots": report.get("busy_slots", 0),
-        "total_slots": report.get("total_slots", 0),
-        "tokens_per_s": report.get("tokens_per_s", 0.0),
-        "last_job": report.get("last_job"),
-        "error": report.get("error"),
-        "started_at": report.get("started_at"),
-        "heartbeat_age_s": report.get("heartbeat_age_s"),
+        "state": report.state,
+        "lost": report.lost,
+        "host": report.host,
+        "pid": report.pid,
+        "device": report.device,
+        "busy_slots": report.busy_slots,
+        "total_slots": report.total_slots,
+        "tokens_per_s": report.tokens_per_s,
+        "last_job": report.last_job,
+        "error": report.error,
+        "started_at": report.started_at,
+        "heartbeat_age_s": report.heartbeat_age_s,
     }
 
 

@@ -5,7 +5,7 @@ when it is short and printable (1 to :data:`MAX_LENGTH` visible ASCII
 characters, no spaces), else makes one (32 hex digits). Every answer carries
 the id back in ``X-Request-ID``; a job submitted by the request stores it
 (``request_id`` in the job's JSON) and every log line of the job names it
-(:mod:`tasks.joblog`). A websocket's id is its handshake's; each job submitted
+(:mod:`jobs.joblog`). A websocket's id is its handshake's; each job submitted
 on one ``/v1/ws`` socket gets one of its own: the ``generate`` frame's
 ``request_id`` when it is accepted, else ``<socket's id>.<n>`` for the n-th
 job of the socket (:func:`request_id_as`).

@@ -21,7 +21,8 @@ from db.accounts import Accounts
 from db.jobs import JobStore
 from db.lookups import RowCache
 from db.session import Database
-from tasks.events import EventLog
+from jobs.events import EventLog
+from jobs.service import JobService
 
 EXTENSION = "switchyard"
 
@@ -47,6 +48,10 @@ class Services:
     caps: StreamCaps
     rows: RowCache = field(default_factory=RowCache)
     background: list[Background] = field(default_factory=list)
+    job_service: JobService = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job_service = JobService(self.jobs, self.events, self.redis)
 
     def start_background(self) -> None:
         """Start the process's loops: gunicorn's ``post_worker_init`` calls this.

@@ -41,7 +41,7 @@ from wsproto.events import CloseConnection, TextMessage
 from api.wire import WriteTimeout, wire_of
 from config import Settings
 from db.lookups import RowCache
-from tasks.events import EventLog, JobEvent
+from jobs.events import EventLog, JobEvent
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from api.jobs import (
     IDEMPOTENCY_HEADER,
     JobFailed,
     authorize_model,
-    cancel,
     final_event,
     follow_job,
     idempotency_key_header,
@@ -62,7 +61,7 @@ from api.streams import sse_response
 from config.sampling import MAX_STOP_STRINGS
 from db.overrides import ModelOverrides, apply
 from db.schema import Job
-from tasks.events import StreamedOutput, usage_of
+from jobs.events import StreamedOutput, usage_of
 
 bp = Blueprint("tgi", __name__)
 envelopes.register(bp, envelopes.tgi_body)
@@ -284,7 +283,7 @@ def _stream(job: Job, body: GenerateRequest) -> Iterator[str]:
                 yield _data(envelopes.tgi_body(JobFailed(error)))
     finally:
         if not ended:  # the client went away or stopped reading: free the job's batch slot
-            cancel(job.id)
+            services().job_service.cancel(job.id)
 
 
 def _stream_response(job: Job, body: GenerateRequest) -> Response:

@@ -13,7 +13,7 @@ Where the files are (see ``models/loader.py``): a GGUF model's under
 first load), a local model's in its folder, a hub model's in the local hub
 cache, a random model's from its ``tokenizer_from`` model. Where the API does
 not share the workers' disk (compose, Kubernetes) it uses the files a worker
-published to Redis when it loaded the model (``tasks/tokenizers.py``). Until
+published to Redis when it loaded the model (``fleet/tokenizers.py``). Until
 either exists the route answers 503 saying so.
 """
 
@@ -39,7 +39,7 @@ from api.schemas import Message, json_body, parse
 from api.services import services
 from config import Catalog, ModelDefinition, Settings
 from config.catalog import GGUFSource, HubSource, LocalSource, RandomSource
-from tasks.tokenizers import fetch_tokenizer_files, read_tokenizer_files
+from fleet.tokenizers import fetch_tokenizer_files, read_tokenizer_files
 
 bp = Blueprint("tokenizer", __name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from api.services import services
-from fleet.registry import list_workers, load_estimate
-from tasks.events import JobEvent
+from fleet.registry import RegisteredWorker, list_workers, load_estimate
+from jobs.events import JobEvent
 
 # How long one read of the worker registry serves every waiting job of this
 # process, in seconds.
@@ -28,17 +28,15 @@ WORKERS_MAX_AGE_S = 1.0
 def waiting_frame(model: str) -> dict[str, Any] | None:
     """The ``waiting`` frame for a queued job of ``model``; None while a worker is ready."""
     svc = services()
-    workers = cast(list[dict[str, Any]] | None, svc.rows.peek("workers", WORKERS_MAX_AGE_S))
+    workers = cast(list[RegisteredWorker] | None, svc.rows.peek("workers", WORKERS_MAX_AGE_S))
     if workers is None:
         workers = list_workers(svc.redis, svc.settings)
         svc.rows.put("workers", workers)
-    mine = [w for w in workers if w.get("model") == model and not w.get("lost")]
-    if any(w.get("state") == "ready" for w in mine):
+    mine = [w for w in workers if w.model == model and not w.lost]
+    if any(w.state == "ready" for w in mine):
         return None
-    starting = [w for w in mine if w.get("state") == "starting"]
-    estimates = [
-        load_estimate(float(w.get("started_at") or 0), w.get("start_expected_s")) for w in starting
-    ]
+    starting = [w for w in mine if w.state == "starting"]
+    estimates = [load_estimate(float(w.started_at or 0), w.start_expected_s) for w in starting]
     known = [e for e in estimates if e[0] is not None]
     progress, eta = max(known, key=lambda e: e[0] or 0.0) if known else (None, None)
     return {

@@ -603,7 +603,7 @@ def _start(farm: LoadFarm) -> None:
         farm.log_dir,
     )
     for model in MODELS:
-        argv = [sys.executable, "-m", "workers", "worker", "--model", model]
+        argv = [sys.executable, "-m", "cli", "worker", "--model", model]
         farm.workers[model].append(Child(f"worker-{model}", argv, farm.env, farm.log_dir))
     wait_http(farm.base + "/healthz", farm.api, 120)
     for model, children in farm.workers.items():

@@ -568,8 +568,8 @@ def wait_worker_ready(settings: Settings, model: str, child: Child) -> None:
             if not child.alive():
                 raise RuntimeError(f"the worker exited:\n{child.tail()}")
             for w in list_workers(client, settings):
-                ready = w["state"] == "ready" and not w["lost"]
-                if w["model"] == model and w["pid"] == child.pid and ready:
+                ready = w.state == "ready" and not w.lost
+                if w.model == model and w.pid == child.pid and ready:
                     return
             time.sleep(0.2)
     finally:
@@ -777,7 +777,7 @@ def farm_phase(
         stack.callback(api.stop)
         worker = Child(
             "worker",
-            [sys.executable, "-m", "workers", "worker", "--model", args.model],
+            [sys.executable, "-m", "cli", "worker", "--model", args.model],
             env,
             log_dir,
         )

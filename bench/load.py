@@ -207,7 +207,7 @@ class LoadFarm:
         self.api = start_api(self.env, self.api_threads, self.log_dir)
         for model in MODELS:
             for i in range(self.per_model):
-                argv = [sys.executable, "-m", "workers", "worker", "--model", model]
+                argv = [sys.executable, "-m", "cli", "worker", "--model", model]
                 self.workers[model].append(
                     Child(f"worker-{model}-{i}", argv, self.env, self.log_dir)
                 )
@@ -228,7 +228,7 @@ class LoadFarm:
 
         from db.schema import Job, JobStatus, utcnow
         from db.session import Database
-        from tasks.messages import queue_keys
+        from jobs.messages import queue_keys
 
         db = Database(self.settings.database_url)
         try:
@@ -264,8 +264,8 @@ class LoadFarm:
         Celery's own remote control (``cancel_consumer``/``add_consumer``); the
         workers stay up, their heartbeats go on, queued jobs wait in the queue.
         """
+        from jobs.queues import queue_name
         from tasks.celery import configure
-        from tasks.queues import queue_name
 
         app = configure(self.settings)
         host = socket.gethostname()
@@ -468,7 +468,7 @@ def redis_stats(
     client: redis.Redis, settings: Settings, ignore: frozenset[bytes] = frozenset()
 ) -> RedisStats:
     """Redis memory and our keys (those under the prefix, less ``ignore``)."""
-    from tasks.queues import queue_name
+    from jobs.queues import queue_name
 
     db = redis_db(settings.redis_url)
     used = int(client.info("memory")["used_memory"])

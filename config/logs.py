@@ -4,7 +4,7 @@
 API factory, ``switchyard worker``, ``scaler``, ``reaper``), never at import.
 With ``SWITCHYARD_LOG_FORMAT=json`` each line is an object with ``time``,
 ``level``, ``logger`` and ``message``, plus the fields a record carries in
-its ``fields`` attribute (the job events of :mod:`tasks.joblog`: ``event``,
+its ``fields`` attribute (the job events of :mod:`jobs.joblog`: ``event``,
 ``job_id``, ``model``, ``worker``, ``attempt``, ``request_id`` …), so a log
 pipeline can select every line of one job.
 """

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from config import Catalog, Settings
 from db.jobs import JobStore
-from fleet.registry import list_workers
+from fleet.registry import RegisteredWorker, list_workers
 
 
 @dataclass(frozen=True)
@@ -37,17 +36,16 @@ class ModelCapacity:
     running: int
 
 
-def worker_status(worker: dict[str, Any]) -> str:
+def worker_status(worker: RegisteredWorker) -> str:
     """``lost`` for a worker whose heartbeat expired, else its reported state.
 
     A worker that failed to start stays ``failed`` after it exited (until its
     entry is pruned): it was not lost, and its reason stays visible in
     ``switchyard workers``, the operator page and ``switchyard_workers``.
     """
-    state = str(worker.get("state", "starting"))
-    if state == "failed":
-        return state
-    return "lost" if worker.get("lost") else state
+    if worker.state == "failed":
+        return worker.state
+    return "lost" if worker.lost else worker.state
 
 
 def scaler_desired(client: redis.Redis, settings: Settings) -> dict[str, int]:
@@ -67,7 +65,7 @@ def fleet(
     jobs: JobStore,
     client: redis.Redis,
     settings: Settings,
-    workers: list[dict[str, Any]] | None = None,
+    workers: list[RegisteredWorker] | None = None,
 ) -> list[ModelCapacity]:
     """Every catalog model's capacity now, in catalog order.
 
@@ -77,7 +75,7 @@ def fleet(
         workers = list_workers(client, settings)
     by_state: dict[str, Counter[str]] = {}
     for w in workers:
-        by_state.setdefault(str(w["model"]), Counter())[worker_status(w)] += 1
+        by_state.setdefault(w.model, Counter())[worker_status(w)] += 1
     counts = jobs.active_counts()
     desired = scaler_desired(client, settings)
     lines = []

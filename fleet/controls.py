@@ -9,6 +9,7 @@ next tick.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -93,10 +94,10 @@ class ScalingControls:
             self.definition(name)
         desired = self.state.desired()
         counts = self.jobs.active_counts()
-        workers = [w for w in list_workers(self.redis, self.settings) if not w["lost"]]
-        ready: Counter[str] = Counter(w["model"] for w in workers if w["state"] == "ready")
-        starting: Counter[str] = Counter(w["model"] for w in workers if w["state"] == "starting")
-        draining: Counter[str] = Counter(w["model"] for w in workers if w["state"] == "draining")
+        workers = [w for w in list_workers(self.redis, self.settings) if not w.lost]
+        ready: Counter[str] = Counter(w.model for w in workers if w.state == "ready")
+        starting: Counter[str] = Counter(w.model for w in workers if w.state == "starting")
+        draining: Counter[str] = Counter(w.model for w in workers if w.state == "draining")
         rows = []
         for name in names:
             published = desired.get(name, {})
@@ -118,7 +119,7 @@ class ScalingControls:
         body: dict[str, Any] = {
             "leader": LeaderLock(self.redis, self.state.lock_key, 1, "").leader(),
             "models": rows,
-            "workers": [w for w in workers if w["model"] in names],
+            "workers": [asdict(w) for w in workers if w.model in names],
         }
         if decisions:
             body["decisions"] = [r.as_dict() for r in self.store.decisions(limit=decisions)]

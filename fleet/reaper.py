@@ -52,13 +52,20 @@ from db.history import GaugeSample, HistoryStore
 from db.jobs import JobStore
 from db.schema import Job, utcnow
 from fleet.history import HistoryRecorder
-from fleet.registry import Tally, last_beats, list_workers, live_reports, prune_lost
+from fleet.registry import (
+    Tally,
+    WorkerReport,
+    last_beats,
+    list_workers,
+    live_reports,
+    prune_lost,
+)
 from fleet.scaler_state import ScalerState
-from tasks import metrics as m
-from tasks.events import EventLog, JobEvent
-from tasks.joblog import log_job_event
-from tasks.messages import BrokerView, send_generate
-from tasks.metrics import MetricsStore
+from jobs import metrics as m
+from jobs.events import EventLog, JobEvent
+from jobs.joblog import log_job_event
+from jobs.messages import BrokerView, send_generate
+from jobs.metrics import MetricsStore
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +194,9 @@ class Reaper:
             del self._unheld_since[key]
         return done
 
-    def _abandoned(self, job: Job, report: dict[str, object] | None) -> bool:
+    def _abandoned(self, job: Job, report: WorkerReport | None) -> bool:
         """Whether ``job``'s live worker has left it out of its active jobs for a TTL."""
-        active = report.get("active_jobs") if report is not None else None
+        active = report.active_jobs if report is not None else None
         key = (job.id, job.attempts)
         if not isinstance(active, list) or job.id in active:
             self._unheld_since.pop(key, None)

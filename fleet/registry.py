@@ -14,8 +14,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Self
 
 import redis
 
@@ -51,6 +51,34 @@ class WorkerReport:
     start_expected_s: float | None = None
     load_progress: float | None = None
     load_eta_s: float | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes | str, worker_id: str, **extra: Any) -> Self:
+        """The report a heartbeat wrote (its JSON), as ``cls``; ``extra`` sets more fields.
+
+        A report from another version of the worker may lack a field or carry
+        one this version does not know: a missing field takes its default (the
+        id the registry keys it by; no host, pid or start time, never this
+        process's), an unknown one is left out.
+        """
+        data = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {
+            "id": worker_id, "model": "", "host": "", "pid": 0, "started_at": 0.0
+        }
+        values.update((k, v) for k, v in data.items() if k in known)
+        values.update(extra)
+        return cls(**values)
+
+
+@dataclass
+class RegisteredWorker(WorkerReport):
+    """A worker as the registry lists it: its last report, and whether it still beats."""
+
+    # True once its heartbeat expired: it no longer counts as capacity.
+    lost: bool = False
+    # Seconds since its last beat, by this host's clock.
+    heartbeat_age_s: float = 0.0
 
 
 def load_estimate(
@@ -154,13 +182,9 @@ class Heartbeat:
                 log.warning("could not remove heartbeat: %s", exc)
 
 
-def list_workers(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
-    """Every worker in the registry, sorted by id.
-
-    Each is its last report plus ``lost`` (true once its heartbeat expired: it
-    no longer counts as capacity) and ``heartbeat_age_s`` (seconds since its
-    last beat, by this host's clock).
-    """
+def list_workers(client: redis.Redis, settings: Settings) -> list[RegisteredWorker]:
+    """Every worker in the registry, sorted by id: its last report, ``lost`` and
+    ``heartbeat_age_s`` (:class:`RegisteredWorker`)."""
     registry = client.hgetall(registry_key(settings))
     if not registry:
         return []
@@ -170,10 +194,9 @@ def list_workers(client: redis.Redis, settings: Settings) -> list[dict[str, Any]
     workers = []
     for worker_id, current in zip(ids, live, strict=True):
         raw = current if current is not None else registry[worker_id.encode()]
-        report = json.loads(raw)
-        report["lost"] = current is None
-        report["heartbeat_age_s"] = round(max(0.0, now - float(report.get("updated_at", 0))), 3)
-        workers.append(report)
+        worker = RegisteredWorker.parse(raw, worker_id, lost=current is None)
+        worker.heartbeat_age_s = round(max(0.0, now - float(worker.updated_at or 0)), 3)
+        workers.append(worker)
     return workers
 
 
@@ -186,18 +209,18 @@ class Tally:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, workers: list[dict[str, Any]]) -> Tally:
+    def of(cls, workers: list[RegisteredWorker]) -> Tally:
         """The tally of :func:`list_workers`' reports (lost ones left out)."""
         tally = cls()
         for w in workers:
-            if w["lost"]:
+            if w.lost:
                 continue
-            rate = float(w.get("tokens_per_s") or 0.0)
-            tally.tokens_per_s[w["model"]] = tally.tokens_per_s.get(w["model"], 0.0) + rate
-            if w["state"] == "ready":
-                tally.ready[w["model"]] += 1
-            elif w["state"] == "starting":
-                tally.starting[w["model"]] += 1
+            rate = float(w.tokens_per_s or 0.0)
+            tally.tokens_per_s[w.model] = tally.tokens_per_s.get(w.model, 0.0) + rate
+            if w.state == "ready":
+                tally.ready[w.model] += 1
+            elif w.state == "starting":
+                tally.starting[w.model] += 1
         return tally
 
 
@@ -211,12 +234,14 @@ def live_worker_ids(client: redis.Redis, settings: Settings, ids: list[str]) -> 
 
 def live_reports(
     client: redis.Redis, settings: Settings, ids: list[str]
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, WorkerReport]:
     """The current report of each worker among ``ids`` whose heartbeat has not expired."""
     if not ids:
         return {}
     values = client.mget([worker_key(settings, i) for i in ids])
-    return {i: json.loads(v) for i, v in zip(ids, values, strict=True) if v is not None}
+    return {
+        i: WorkerReport.parse(v, i) for i, v in zip(ids, values, strict=True) if v is not None
+    }
 
 
 def last_beats(client: redis.Redis, settings: Settings) -> dict[str, float]:

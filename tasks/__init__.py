@@ -1,4 +1,4 @@
-"""The Celery side: the one app, queue naming, the generate task, the event log.
+"""The Celery side: the one app and the generate task (thin); nothing else.
 
 ``celery -A tasks`` finds :data:`app`. Importing this package reads no
 environment and connects to nothing; the app is configured lazily from the

@@ -8,8 +8,6 @@ from celery import Celery
 
 from config import Settings
 
-GENERATE_TASK = "switchyard.generate"
-
 app = Celery("switchyard", set_as_current=False, include=["tasks.generate"])
 # Lazy: the module is read on first access to app.conf, not at import, and only
 # when configure() was not called first (``celery -A tasks inspect …``).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tasks.celery import GENERATE_TASK, app
+from jobs.queues import GENERATE_TASK
+from tasks.celery import app
 
 
 class Runner(Protocol):

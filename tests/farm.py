@@ -131,7 +131,7 @@ def switchyard(
 ) -> subprocess.CompletedProcess[str]:
     """The ``switchyard`` command with ``args`` in environment ``env``, run to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "workers", *args],
+        [sys.executable, "-m", "cli", *args],
         env=env,
         cwd=PROJECT_ROOT,
         capture_output=True,
@@ -177,7 +177,7 @@ def start_worker(
     settings: Settings, model: str, log_dir: Path, env: dict[str, str] | None = None
 ) -> Process:
     """A worker process for ``model``; ``env`` adds to (or overrides) its environment."""
-    argv = [sys.executable, "-m", "workers", "worker", "--model", model]
+    argv = [sys.executable, "-m", "cli", "worker", "--model", model]
     full_env = {**settings_env(settings), **(env or {})}
     return Process(argv, full_env, log_dir / f"worker-{model}-{time.time_ns()}.log")
 
@@ -193,12 +193,12 @@ def wait_ready(settings: Settings, model: str, proc: Process, timeout: float = 2
             raise AssertionError(f"worker exited early:\n{proc.log()[-4000:]}")
         for w in list_workers(client, settings):
             if (
-                w["model"] == model
-                and w["pid"] == proc.proc.pid
-                and w["state"] == "ready"
-                and not w["lost"]
+                w.model == model
+                and w.pid == proc.proc.pid
+                and w.state == "ready"
+                and not w.lost
             ):
-                return str(w["id"])
+                return w.id
         time.sleep(0.2)
     raise AssertionError(f"worker not ready in {timeout} s:\n{proc.log()[-4000:]}")
 

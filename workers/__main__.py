@@ -1,9 +1,9 @@
-import sys
+"""``python -m workers``: the command line's name before it moved to ``cli/``.
 
-from workers.openmp import spin_briefly
+Kept so that images, manifests and scripts written for it still run; it is
+``python -m cli``, the same program (spin count first, then the parser).
+"""
 
-spin_briefly()  # before torch loads libgomp
+import runpy
 
-from workers.cli import main  # noqa: E402
-
-sys.exit(main())
+runpy.run_module("cli", run_name="__main__", alter_sys=True)

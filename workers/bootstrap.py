@@ -39,13 +39,13 @@ from fleet.registry import (
     load_estimate,
     remember_start_time,
 )
+from fleet.tokenizers import publish_tokenizer_files, saved_tokenizer_files
+from jobs.events import EventLog
+from jobs.messages import send_generate
+from jobs.metrics import MetricsStore
+from jobs.queues import queue_name
 from tasks import configure
-from tasks.events import EventLog
 from tasks.generate import serve_with
-from tasks.messages import send_generate
-from tasks.metrics import MetricsStore
-from tasks.queues import queue_name
-from tasks.tokenizers import publish_tokenizer_files, saved_tokenizer_files
 from workers.prestart import PreStartFailed, run_prestart
 
 log = logging.getLogger(__name__)

@@ -56,6 +56,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from config import ModelDefinition, Settings
 from db.jobs import JobOutcome
 from db.schema import Job, JobStatus
+from jobs import metrics as m
+from jobs.events import JobEvent, StreamedOutput, StreamTaken, usage
+from jobs.joblog import log_job_event
 from models.engine import (
     EngineError,
     FinishEvent,
@@ -65,9 +68,6 @@ from models.engine import (
     SamplingParams,
     TokenEvent,
 )
-from tasks import metrics as m
-from tasks.events import JobEvent, StreamedOutput, StreamTaken, usage
-from tasks.joblog import log_job_event
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class JobRows(Protocol):
 
 
 class JobStreams(Protocol):
-    """The event log a runner writes and its cancel flags (:class:`tasks.events.EventLog`)."""
+    """The event log a runner writes and its cancel flags (:class:`jobs.events.EventLog`)."""
 
     def append(self, job_id: str, events: list[JobEvent]) -> None: ...
     def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool: ...
@@ -122,7 +122,7 @@ class GenerationEngine(Protocol):
 
 
 class MetricsRecorder(Protocol):
-    """One batch of metric changes (:class:`tasks.metrics.MetricsBatch`)."""
+    """One batch of metric changes (:class:`jobs.metrics.MetricsBatch`)."""
 
     def inc(self, spec: m.CounterSpec, labels: Mapping[str, str], amount: float = 1) -> None: ...
     def observe(self, spec: m.HistogramSpec, labels: Mapping[str, str], value: float) -> None: ...
@@ -130,7 +130,7 @@ class MetricsRecorder(Protocol):
 
 
 class Metrics(Protocol):
-    """Where a runner counts jobs and tokens (:class:`tasks.metrics.MetricsStore`)."""
+    """Where a runner counts jobs and tokens (:class:`jobs.metrics.MetricsStore`)."""
 
     def batch(self) -> MetricsRecorder: ...
 

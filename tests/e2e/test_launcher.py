@@ -59,7 +59,7 @@ def _start(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.Popen[str
         **env_extra,
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "workers", "run", *args],
+        [sys.executable, "-m", "cli", "run", *args],
         env=env,
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,

@@ -19,7 +19,7 @@ from config import Settings
 from config.settings import PROJECT_ROOT
 from tests import farm
 
-CLI = [sys.executable, "-m", "workers", "chat"]
+CLI = [sys.executable, "-m", "cli", "chat"]
 PROMPT = "you> "
 
 

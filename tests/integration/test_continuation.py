@@ -31,7 +31,7 @@ from text_generation import Client as TGIClient
 from config import Settings
 from db.jobs import JobStore
 from db.session import Database
-from tasks.events import EventLog
+from jobs.events import EventLog
 from tests import farm
 
 MODEL = "tiny-recovery"
@@ -364,7 +364,7 @@ def test_an_answer_that_cannot_continue_ends_the_openai_stream_with_an_error(
 def test_a_later_attempt_fences_off_an_earlier_one_still_writing(migrated: Settings) -> None:
     """A worker taken for lost but still running cannot write after the next attempt
     read the stream: its write lands before (and is carried over) or is refused."""
-    from tasks.events import JobEvent, StreamTaken
+    from jobs.events import JobEvent, StreamTaken
 
     events = EventLog(redis.Redis.from_url(migrated.redis_url), migrated)
     job_id = f"fence-{time.time_ns()}"

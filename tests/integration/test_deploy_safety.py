@@ -25,7 +25,7 @@ from config import Settings, load_catalog
 from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
-from tasks.events import EventLog, JobEvent
+from jobs.events import EventLog, JobEvent
 from tests import farm
 from tests.integration.test_executor_local import python
 from tests.integration.test_scaling import make_models, settings_for, unique
@@ -208,7 +208,7 @@ def test_new_tokens_expire_by_default(migrated: Settings, api_url: str, admin_to
 
     # The CLI the same: the default from the settings, --days 0 for never.
     env = farm.settings_env(migrated)
-    cli = [sys.executable, "-m", "workers", "token", "create", "--user", name]
+    cli = [sys.executable, "-m", "cli", "token", "create", "--user", name]
     for extra, days in (
         ([], migrated.token_ttl_days),
         (["--days", "7"], 7.0),
@@ -397,7 +397,7 @@ def test_run_refuses_a_port_that_is_taken_and_says_why(migrated: Settings, tmp_p
         env.update(SWITCHYARD_API_PORT=str(port), SWITCHYARD_STATE_DIR=str(tmp_path / "state"))
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "workers", "run", "--model", "tiny-random"],
+            [sys.executable, "-m", "cli", "run", "--model", "tiny-random"],
             env=env,
             cwd=PROJECT_ROOT,
             capture_output=True,

@@ -238,7 +238,7 @@ def running_farm(
         url = stack.enter_context(farm.serve_gunicorn(settings, log_dir))
         scaler_env = {**farm.settings_env(settings), "SWITCHYARD_SCALER_INTERVAL_S": "0.5"}
         scaler = farm.Process(
-            [sys.executable, "-m", "workers", "scaler", "--executor", "none"],
+            [sys.executable, "-m", "cli", "scaler", "--executor", "none"],
             scaler_env,
             log_dir / f"scaler-{time.time_ns()}.log",
         )
@@ -314,7 +314,7 @@ def unfinished_report(
     fm: Farm,
 ) -> str:
     """What a job that never ended looked like: its row, the broker, the processes' logs."""
-    from tasks.messages import BrokerView
+    from jobs.messages import BrokerView
 
     broker = BrokerView(client)
     lines = []
@@ -420,7 +420,7 @@ def test_redis_restart_under_a_running_farm(
 
             def beating() -> float | None:
                 try:
-                    pids = {w["pid"] for w in list_workers(client, settings) if not w["lost"]}
+                    pids = {w.pid for w in list_workers(client, settings) if not w.lost}
                 except redis.RedisError:
                     return None
                 return time.time() if pids >= {p.proc.pid for p in procs} else None
@@ -462,7 +462,7 @@ def test_redis_restart_under_a_running_farm(
                 s for j in jobs.values() if (s := ts(j["timestamps"]["started"])) and s > back_at
             )
             # The new Redis holds no message for a finished job.
-            from tasks.messages import BrokerView
+            from jobs.messages import BrokerView
 
             assert BrokerView(client).waiting_ids(MODEL) == set()
             post = probe(url + "/v1/jobs", "POST", json=job_body(8), headers=auth(token))
@@ -746,7 +746,7 @@ def test_postgres_restart_under_a_running_farm(
 
 
 def _resent_jobs(log: str) -> list[str]:
-    """The job ids of the reaper's "queued again" lines (tasks/joblog.py) in ``log``."""
+    """The job ids of the reaper's "queued again" lines (jobs/joblog.py) in ``log``."""
     return [
         line.split("job_id=", 1)[1].split()[0]
         for line in log.splitlines()

@@ -41,7 +41,7 @@ from config.settings import PROJECT_ROOT
 from db.jobs import JobStore
 from db.session import Database
 from fleet.registry import list_workers
-from tasks.events import EventLog
+from jobs.events import EventLog
 from tests import farm
 
 CHAT = [{"role": "user", "content": "Tell me a very long story about a fox."}]
@@ -123,7 +123,7 @@ def child_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 def start_scaler(settings: Settings, log_dir: Path, **extra: str) -> farm.Process:
-    argv = [sys.executable, "-m", "workers", "scaler", "--executor", "local"]
+    argv = [sys.executable, "-m", "cli", "scaler", "--executor", "local"]
     return farm.Process(
         argv, child_env(settings, **extra), log_dir / f"scaler-{time.time_ns()}.log"
     )
@@ -177,9 +177,9 @@ def ready_workers(settings: Settings, parent: int) -> dict[str, int]:
     client = redis.Redis.from_url(settings.redis_url)
     kids = children_of(parent)
     return {
-        str(w["id"]): int(w["pid"])
+        w.id: w.pid
         for w in list_workers(client, settings)
-        if w["state"] == "ready" and not w["lost"] and int(w["pid"]) in kids
+        if w.state == "ready" and not w.lost and w.pid in kids
     }
 
 

@@ -30,10 +30,10 @@ from db.jobs import JobStore
 from db.schema import utcnow
 from db.session import Database
 from fleet.registry import Heartbeat, WorkerReport
+from jobs.events import EventLog, JobEvent, StreamTaken
 from models.engine import Engine, GenerationRequest, RequestHandle
 from models.llama import StepInput
 from models.loader import load_model
-from tasks.events import EventLog, JobEvent, StreamTaken
 from tests import farm
 from workers.runner import JobRunner
 

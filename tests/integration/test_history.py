@@ -25,7 +25,7 @@ from db.session import Database
 from fleet.reaper import Reaper
 from fleet.registry import Heartbeat, WorkerReport, registry_key
 from fleet.scaler_state import ScalerState
-from tasks.events import EventLog
+from jobs.events import EventLog
 from tests.integration.test_scaling import (
     controls_for,
     make_models,

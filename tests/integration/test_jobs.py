@@ -368,7 +368,7 @@ def test_a_finished_job_whose_stream_expired_ends_from_its_record(
     """After ``stream_ttl_s`` the stream is gone; a reader still gets the end, from the row."""
     import redis
 
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     job_id = submit_ok(api_url, user_token)
     live = farm.ws_events(api_url, job_id, user_token)

@@ -21,8 +21,8 @@ import requests
 
 from config import Settings
 from fleet.registry import list_workers
-from tasks.events import EventLog
-from tasks.messages import BrokerView, queue_keys
+from jobs.events import EventLog
+from jobs.messages import BrokerView, queue_keys
 from tests import farm
 
 MODEL = "tiny-recovery"
@@ -271,7 +271,7 @@ def test_sigterm_lets_a_running_job_finish_within_the_grace_period(
     types = [e["type"] for e in farm.ws_events(api_url, job_id, user_token)]
     assert "restart" not in types and "resumed" not in types and types[-1] == "done"
     # A worker that stopped cleanly leaves the registry (it is not "lost").
-    assert worker not in {w["id"] for w in list_workers(workers.redis, migrated)}
+    assert worker not in {w.id for w in list_workers(workers.redis, migrated)}
 
 
 def test_sigterm_past_the_grace_period_hands_the_job_over_and_it_continues_elsewhere(

@@ -10,7 +10,7 @@ from pathlib import Path
 import redis
 
 from config import Settings
-from tasks.events import EventLog, JobEvent
+from jobs.events import EventLog, JobEvent
 from tests import farm
 from workers.launcher import redis_server_binary
 from workers.runner import _Stream

@@ -32,7 +32,7 @@ from config.settings import PROJECT_ROOT
 from db.scaling import ScalingStore
 from db.session import Database
 from fleet.controls import ScalingControls
-from fleet.registry import list_workers
+from fleet.registry import RegisteredWorker, list_workers
 from fleet.scaler_state import LeaderLock, ScalerState
 from tests import farm
 from workers.executors.local import LocalExecutor
@@ -91,13 +91,13 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float =
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def live_workers(settings: Settings, model: str) -> list[dict[str, Any]]:
+def live_workers(settings: Settings, model: str) -> list[RegisteredWorker]:
     client = redis.Redis.from_url(settings.redis_url)
-    return [w for w in list_workers(client, settings) if w["model"] == model and not w["lost"]]
+    return [w for w in list_workers(client, settings) if w.model == model and not w.lost]
 
 
 def ready_pids(settings: Settings, model: str) -> set[int]:
-    return {w["pid"] for w in live_workers(settings, model) if w["state"] == "ready"}
+    return {w.pid for w in live_workers(settings, model) if w.state == "ready"}
 
 
 def make_scaler(
@@ -230,7 +230,7 @@ def test_manual_scale_zero_two_one_zero_drains_before_stopping(
             drain_at = datetime.now(UTC)
             scaler.tick()
             settle(
-                lambda: any(w["state"] == "draining" for w in live_workers(settings, model)),
+                lambda: any(w.state == "draining" for w in live_workers(settings, model)),
                 "the worker to report draining",
                 60,
             )
@@ -253,7 +253,7 @@ def test_scale_down_hands_running_jobs_over_in_seconds_and_their_text_stays_whol
     jobs over at once (the default grace, 0) and exits within 5 s; they continue
     on the other worker and end with the uninterrupted answer."""
     from db.jobs import JobStore
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     model = unique("sc-handover")
     settings = settings_for(
@@ -453,7 +453,7 @@ def _scaler_process(settings: Settings, log_dir: Path) -> farm.Process:
             "SWITCHYARD_SCALER_LOCK_TTL_S": str(settings.scaler_lock_ttl_s),
         }
     )
-    argv = [sys.executable, "-m", "workers", "scaler", "--executor", "local"]
+    argv = [sys.executable, "-m", "cli", "scaler", "--executor", "local"]
     return farm.Process(argv, env, log_dir / f"scaler-{time.time_ns()}.log")
 
 

@@ -1,6 +1,6 @@
 """The submit path's shortcuts against real Redis and Postgres (issue 13).
 
-The API writes Celery's message itself (``tasks.messages``), in the same
+The API writes Celery's message itself (``jobs.messages``), in the same
 round trip as the job's ``queued`` event; and the database pool pings a
 connection only after it sat idle. Each shortcut must behave as what it
 replaces: the message as ``Celery.send_task``'s, a dead connection replaced.
@@ -24,10 +24,9 @@ from sqlalchemy.exc import OperationalError
 import db.session
 from config import Settings
 from db.session import Database
+from jobs.messages import send_generate
+from jobs.queues import GENERATE_TASK, queue_name
 from tasks import configure
-from tasks.celery import GENERATE_TASK
-from tasks.messages import send_generate
-from tasks.queues import queue_name
 
 
 def _decoded(raw: bytes) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import redis
 import requests
 
 from config import Settings
-from tasks.tokenizers import tokenizer_key
+from fleet.tokenizers import tokenizer_key
 from tests import farm
 
 CHAT = [{"role": "user", "content": "Count these tokens, please: 1, 2, 3."}]

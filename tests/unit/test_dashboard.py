@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from config.settings import PROJECT_ROOT
-from tasks import metrics as m
+from jobs import metrics as m
 
 DOCKER = PROJECT_ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "switchyard.json"

@@ -22,8 +22,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from config.settings import PROJECT_ROOT
+from tests.import_rules import PACKAGES
 
-PACKAGES = ("api", "tasks", "workers", "fleet", "models", "db", "config", "client")
 # Declared but never imported, each for a reason.
 NOT_IMPORTED = {
     "gunicorn": "runs the API as a program (python -m gunicorn)",
@@ -136,7 +136,7 @@ def test_pip_install_gives_a_working_cli_and_api(tmp_path: Path) -> None:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
     }
     assert not shipped - carried, f"left out of the wheel: {sorted(shipped - carried)}"
-    assert "switchyard = workers.cli:main" in entry_points
+    assert "switchyard = cli.main:main" in entry_points
 
     site = tmp_path / "site"
     _run([*PIP, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)])

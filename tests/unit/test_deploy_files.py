@@ -20,8 +20,8 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from cli.main import build_parser
 from config.settings import PROJECT_ROOT, Settings, variable_name
-from workers.cli import build_parser
 
 DOCKER = PROJECT_ROOT / "docker"
 SETTINGS_VARIABLES = {variable_name(f) for f in Settings.model_fields}
@@ -56,7 +56,7 @@ def _check_command(argv: list[str], where: str) -> None:
         for part in re.split(r"&&|;", argv[argv.index("-c") + 1]):
             _check_command(shlex.split(part.replace("exec ", "")), where)
         return
-    if argv[:3] == ["python", "-m", "workers"] or argv[:1] == ["switchyard"]:
+    if argv[:3] == ["python", "-m", "cli"] or argv[:1] == ["switchyard"]:
         args = argv[3:] if argv[0] == "python" else argv[1:]
         args = [re.sub(r"\$\{?\w+(:-([^}]*))?\}?", lambda m: m.group(2) or "x", a) for a in args]
         try:

@@ -23,3 +23,25 @@ def test_imports_inside_functions_count() -> None:
     graph = import_rules.import_graph()
     # workers/executors/__init__.py imports its executors inside build_executor.
     assert "workers.executors.local" in graph["workers.executors"]
+
+
+def test_an_api_module_importing_celery_code_or_the_engine_is_a_breach() -> None:
+    graph = {"api.x": {"tasks.generate", "models.engine", "jobs.events", "fleet.registry"}}
+    assert import_rules.forbidden_imports(graph) == [
+        "api.x imports models.engine",
+        "api.x imports tasks.generate",
+    ]
+
+
+def test_the_neutral_packages_import_neither_side() -> None:
+    graph = {"jobs.a": {"fleet.b", "tasks.celery"}, "fleet.b": {"jobs.a", "workers.c"}}
+    assert import_rules.forbidden_imports(graph) == [
+        "fleet.b imports workers.c",
+        "jobs.a imports fleet.b",
+        "jobs.a imports tasks.celery",
+    ]
+
+
+def test_importing_the_command_line_is_a_breach() -> None:
+    graph = {"workers.a": {"cli.main"}, "cli.main": {"cli.scaling", "workers.a"}}
+    assert import_rules.forbidden_imports(graph) == ["workers.a imports cli.main"]

@@ -13,7 +13,7 @@ import pytest
 from api.request_ids import accepted
 from config import load_settings
 from config.logs import formatter_for
-from tasks.joblog import log_job_event
+from jobs.joblog import log_job_event
 
 
 @dataclass

@@ -27,14 +27,16 @@ def test_sets_the_spin_count_only_where_no_policy_was_chosen(
     assert os.environ["GOMP_SPINCOUNT"] == "5"
 
 
-def test_a_worker_process_sets_it_before_torch_is_imported() -> None:
-    """``python -m workers`` sets it first: torch is not yet loaded when it does."""
+@pytest.mark.parametrize("package", ["cli", "workers"])
+def test_a_worker_process_sets_it_before_torch_is_imported(package: str) -> None:
+    """``python -m cli`` sets it first: torch is not yet loaded when it does (and
+    ``python -m workers``, its old name, runs the same)."""
     code = (
-        "import runpy, sys; sys.argv = ['workers', '--help'];"
+        f"import runpy, sys; sys.argv = ['{package}', '--help'];"
         "import workers.openmp as o; before = o.spin_briefly;"
         "calls = [];"
         "o.spin_briefly = lambda: calls.append('torch' in sys.modules) or before();"
-        "\ntry:\n    runpy.run_module('workers', run_name='__main__')\n"
+        f"\ntry:\n    runpy.run_module('{package}', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
         "print(calls)"
     )

@@ -20,8 +20,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from config import Catalog, Settings, load_settings
 from db.jobs import EXPIRED, JobOutcome
 from db.schema import Job, JobStatus
+from jobs.events import JobEvent, StreamTaken
 from models.engine import FinishEvent, GenerationRequest, TokenEvent
-from tasks.events import JobEvent, StreamTaken
 from workers.runner import CANCEL_POLL_S, DRAIN_CANCEL_WAIT_S, JobRunner
 
 WORKER = "host:1"
@@ -101,7 +101,7 @@ class FakeRows:
 
 
 class FakeStreams:
-    """Event logs in memory, fenced like ``tasks.events.EventLog``."""
+    """Event logs in memory, fenced like ``jobs.events.EventLog``."""
 
     def __init__(self) -> None:
         self.logs: dict[str, list[JobEvent]] = {}

@@ -6,7 +6,7 @@ from api.envelopes import tgi_body
 from api.jobs import JobFailed
 from api.multiplex import MessageRate, event_frame
 from config import load_settings
-from tasks.events import JobEvent
+from jobs.events import JobEvent
 
 
 def test_tgi_names_a_failed_generation_generation_streamed_or_not() -> None:

@@ -59,7 +59,7 @@ def test_files_a_worker_publishes_encode_the_same(
     """What a worker saves from its loaded tokenizer (and publishes to Redis) encodes alike."""
     from transformers import AutoTokenizer
 
-    from tasks.tokenizers import saved_tokenizer_files
+    from fleet.tokenizers import saved_tokenizer_files
 
     reference = AutoTokenizer.from_pretrained(str(folder))
     files = saved_tokenizer_files(reference)

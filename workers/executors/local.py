@@ -47,7 +47,7 @@ import redis
 
 from config import Settings
 from config.settings import PROJECT_ROOT
-from fleet.registry import list_workers
+from fleet.registry import RegisteredWorker, list_workers
 from workers.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 def worker_command(model: str) -> list[str]:
     """A model worker's command line (the Procfile's ``worker``)."""
-    return [sys.executable, "-m", "workers", "worker", "--model", model]
+    return [sys.executable, "-m", "cli", "worker", "--model", model]
 
 
 @dataclass
@@ -220,20 +220,20 @@ class LocalExecutor:
 
     def _victims(self, serving: list[Replica]) -> list[Replica]:
         """Replicas in the order they should be drained: cheapest to lose first."""
-        reports: dict[int, dict[str, Any]] = {}
+        reports: dict[int, RegisteredWorker] = {}
         if self.client is not None:
             host = socket.gethostname()
             try:
                 for w in list_workers(self.client, self.settings):
-                    if w.get("host") == host and not w.get("lost"):
-                        reports[int(w["pid"])] = w
+                    if w.host == host and not w.lost:
+                        reports[w.pid] = w
             except redis.RedisError as exc:
                 log.warning("cannot read heartbeats to pick idle workers: %s", exc)
 
         def cost(r: Replica) -> tuple[int, int, float]:
             report = reports.get(r.pid)
-            ready = 1 if report is not None and report.get("state") == "ready" else 0
-            busy = int(report.get("busy_slots", 0)) if report is not None else 0
+            ready = 1 if report is not None and report.state == "ready" else 0
+            busy = report.busy_slots if report is not None else 0
             return (ready, busy, -r.started_at)
 
         return sorted(serving, key=cost)
@@ -306,9 +306,9 @@ class LocalExecutor:
             log.warning("cannot read heartbeats to tell a crash loop: %s", exc)
             return False
         return any(
-            w.get("host") == host
-            and int(w.get("pid", -1)) == r.pid
-            and float(w.get("started_at", 0)) >= r.wall_started_at - 1
-            and w.get("state") in ("ready", "draining")
+            w.host == host
+            and w.pid == r.pid
+            and w.started_at >= r.wall_started_at - 1
+            and w.state in ("ready", "draining")
             for w in reports
         )

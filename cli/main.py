@@ -5,11 +5,11 @@ switchyard worker --model NAME     one worker process for one model
 switchyard migrate                 apply database migrations
 switchyard user add NAME [--role]  add a user
 switchyard token create --user N   issue an API token (shown once)
-switchyard user list | set NAME     users, roles, per-user limits (workers/account_commands.py)
+switchyard user list | set NAME     users, roles, per-user limits (cli/accounts.py)
 switchyard token list | revoke ID  tokens (prefix, expiry, last use; never the secret)
 switchyard models validate         check every model definition
-switchyard models list | workers | reaper   operations (see workers/operator_commands.py)
-switchyard scaler | scale | schedule | status   scaling (see workers/scaling_commands.py)
+switchyard models list | workers | reaper   operations (see cli/operations.py)
+switchyard scaler | scale | schedule | status   scaling (see cli/scaling.py)
 switchyard chat [--model M]        terminal chat with a running farm (client/)
 """
 
@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
+from cli.steering import announce
+from cli.steering import command_settings as _settings
 from config import CatalogError, load_catalog
 from config.logs import configure_logging
-from workers.steering import announce
-from workers.steering import command_settings as _settings
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -106,8 +106,8 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
         except redis.RedisError as exc:
             print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
             return 1
-        mine = [w for w in workers if w["host"] == host and not w["lost"]]
-        if any(w["state"] in ("ready", "starting") for w in mine):
+        mine = [w for w in workers if w.host == host and not w.lost]
+        if any(w.state in ("ready", "starting") for w in mine):
             return 0
         print(f"unhealthy: no live worker on {host}", file=sys.stderr)
         return 1
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", action="store_true", help="probe this host's worker instead")
     p.set_defaults(func=_cmd_healthcheck)
 
-    from workers.scaling_commands import register as register_scaling
+    from cli.scaling import register as register_scaling
 
     register_scaling(sub)
 
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_token_create)
 
-    from workers.account_commands import register as register_accounts
+    from cli.accounts import register as register_accounts
 
     register_accounts(users, tokens)
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = models.add_parser("validate", help="validate every model definition")
     p.set_defaults(func=_cmd_models_validate)
 
-    from workers.operator_commands import register as register_operations
+    from cli.operations import register as register_operations
 
     register_operations(sub, models)
 

@@ -14,10 +14,10 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from cli.steering import announce
+from cli.steering import command_settings as _settings
 from config import CatalogError, load_catalog
 from config.logs import configure_logging
-from workers.steering import announce
-from workers.steering import command_settings as _settings
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -36,7 +36,7 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     settings = _settings()
     reports = list_workers(redis.Redis.from_url(settings.redis_url), settings)
     if args.json:
-        print(json.dumps(reports, indent=2))
+        print(json.dumps([asdict(w) for w in reports], indent=2))
         return 0
     if not reports:
         print("no workers registered")
@@ -45,14 +45,14 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     for w in reports:
         rows.append(
             [
-                str(w["id"]),
-                str(w["model"]),
+                w.id,
+                w.model,
                 worker_status(w),
-                str(w.get("device", "")),
-                f"{w.get('busy_slots', 0)}/{w.get('total_slots', 0)}",
-                f"{float(w.get('tokens_per_s', 0.0)):.1f}",
-                f"{float(w.get('heartbeat_age_s', 0.0)):.0f}s ago",
-                str(w.get("error") or ""),
+                str(w.device),
+                f"{w.busy_slots}/{w.total_slots}",
+                f"{float(w.tokens_per_s):.1f}",
+                f"{float(w.heartbeat_age_s):.0f}s ago",
+                str(w.error or ""),
             ]
         )
     print(_table(rows))
@@ -106,7 +106,7 @@ def _cmd_reaper(args: argparse.Namespace) -> int:
     from db.jobs import JobStore
     from db.session import Database
     from fleet.reaper import Reaper, ReaperLoop
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     settings = _settings()
     configure_logging(settings)

@@ -1,6 +1,6 @@
 """``switchyard user list|set`` and ``switchyard token list|revoke``, against the database.
 
-``user add`` and ``token create`` live in :mod:`workers.cli`; these complete
+``user add`` and ``token create`` live in :mod:`cli.main`; these complete
 them. They need no API: they open the database named by ``DATABASE_URL``.
 """
 
@@ -10,8 +10,8 @@ import argparse
 from datetime import datetime
 from typing import Any
 
+from cli.steering import announce, command_settings
 from config import Settings
-from workers.steering import announce, command_settings
 
 
 def _accounts(settings: Settings) -> Any:

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from cli.steering import announce
+from cli.steering import command_settings as _settings
 from config import Settings, load_catalog
 from config.catalog import SCALING_TUNABLES
 from config.farm_record import describe_farm
 from config.logs import configure_logging
-from workers.steering import announce
-from workers.steering import command_settings as _settings
 
 
 def _controls(settings: Settings) -> Any:
@@ -65,7 +65,7 @@ def reaper_hook(settings: Settings, db: Any, client: Any) -> Callable[[], Any]:
     """
     from db.jobs import JobStore
     from fleet.reaper import Reaper
-    from tasks.events import EventLog
+    from jobs.events import EventLog
 
     reaper = Reaper(settings, JobStore(db), EventLog(client, settings), client)
     return reaper.sweep

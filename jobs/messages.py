@@ -29,8 +29,7 @@ from typing import Any, cast
 import redis
 from celery.utils.nodenames import anon_nodename
 
-from tasks.celery import GENERATE_TASK
-from tasks.queues import queue_name
+from jobs.queues import GENERATE_TASK, queue_name
 
 PRIORITY_SEPARATOR = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)
