@@ -642,6 +642,40 @@ static float softmax_numerators(float *scores, int n, float top) {
 #define ATT_GROUP 8 /* the most query heads sharing one key and value head attended together */
 #define ATT_TILE 64
 
+#if SY_AVX2
+/*
+ * o[0..63] += sum over p in [p0, p1) of (scores[p] / total) * values[p][i0..i0+63],
+ * position by position, as a multiply then an add per dimension (no fused
+ * multiply-add): each dimension gets the same operations in the same order
+ * whether 8 (AVX2) or 16 (AVX-512) dimensions go at a time, so both give the
+ * same bits.
+ */
+static inline void weighted_sum64(const float *scores, float total, int p0, int p1,
+                                  const float *values, int hd, int i0, float *o) {
+#if defined(__AVX512F__)
+    __m512 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_loadu_ps(o + 16 * j);
+    for (int p = p0; p < p1; p++) {
+        const __m512 w = _mm512_set1_ps(scores[p] / total);
+        const float *v = values + (size_t)p * hd + i0;
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * j)));
+    }
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + 16 * j, acc[j]);
+#else
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
+    for (int p = p0; p < p1; p++) {
+        const __m256 w = _mm256_set1_ps(scores[p] / total);
+        const float *v = values + (size_t)p * hd + i0;
+        for (int j = 0; j < 8; j++)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+#endif
+}
+#endif
+
 /* One (row, head), as described above. Returns 0, or -1 if out of memory. */
 static int attend_one(const float *qr, const float *keys, const float *values, int n, int hd,
                       float scale, float *o) {
@@ -682,15 +716,8 @@ static int attend_one(const float *qr, const float *keys, const float *values, i
     /* The output in registers, 64 dimensions at a time: each o[i] gets the same
        products, added in the same order, as in the loop below. */
     for (; i0 + 64 <= hd; i0 += 64) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int p = 0; p < n; p++) {
-            const __m256 w = _mm256_set1_ps(scores[p] / total);
-            const float *v = values + (size_t)p * hd + i0;
-            for (int j = 0; j < 8; j++)
-                acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
-        }
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i0 + 8 * j, acc[j]);
+        for (int i = i0; i < i0 + 64; i++) o[i] = 0.0f;
+        weighted_sum64(scores, total, 0, n, values, hd, i0, o + i0);
     }
 #endif
     for (int i = i0; i < hd; i++) o[i] = 0.0f;
@@ -755,17 +782,8 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
     for (int t0 = 0; t0 < nmax; t0 += ATT_TILE) {
         for (int i = 0; i < nr; i++) {
             const int end = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
-            for (int i0 = 0; i0 < hd && t0 < end; i0 += 64) {
-                __m256 acc[8];
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(os[i] + i0 + 8 * j);
-                for (int p = t0; p < end; p++) {
-                    const __m256 w = _mm256_set1_ps(scores[i][p] / total[i]);
-                    const float *v = values + (size_t)p * hd + i0;
-                    for (int j = 0; j < 8; j++)
-                        acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
-                }
-                for (int j = 0; j < 8; j++) _mm256_storeu_ps(os[i] + i0 + 8 * j, acc[j]);
-            }
+            for (int i0 = 0; i0 < hd && t0 < end; i0 += 64)
+                weighted_sum64(scores[i], total[i], t0, end, values, hd, i0, os[i] + i0);
         }
     }
     free(buffer);
