@@ -676,6 +676,45 @@ static inline void weighted_sum64(const float *scores, float total, int p0, int 
 }
 #endif
 
+#if SY_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define SCORES_X2 1
+/* _mm256_hadd_ps in each 256-bit half: [a0+a1, a2+a3, b0+b1, b2+b3] per 128 bits. */
+static inline __m512 hadd_halves(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xdd));
+}
+
+/*
+ * The scores of positions p .. p + 7 for two queries at once, query a in the low
+ * 256 bits and b in the high: each half gets exactly the operations attend_one's
+ * 8-wide loop and hsum8 give one query (the same fused multiply-adds per lane,
+ * the same pairwise sums in the same order), so the same bits, at twice the width.
+ */
+static inline void scores8x2(const float *qa, const float *qb, const float *keys, int p, int hd,
+                             float scale, __m256 *sa, __m256 *sb) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + d)),
+                                             _mm256_loadu_ps(qb + d), 1);
+        for (int j = 0; j < 8; j++) {
+            const __m512 k = _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (size_t)(p + j) * hd + d));
+            acc[j] = _mm512_fmadd_ps(qv, k, acc[j]);
+        }
+    }
+    const __m512 u0 = hadd_halves(hadd_halves(acc[0], acc[1]), hadd_halves(acc[2], acc[3]));
+    const __m512 u1 = hadd_halves(hadd_halves(acc[4], acc[5]), hadd_halves(acc[6], acc[7]));
+    /* hsum8's last step in each half: low 128 bits of u0 and u1 plus their high 128 bits */
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(u0, lo, u1), _mm512_permutex2var_ps(u0, hi, u1));
+    const __m512 sc = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+    *sa = _mm512_castps512_ps256(sc);
+    *sb = _mm512_extractf32x8_ps(sc, 1);
+}
+#else
+#define SCORES_X2 0
+#endif
+
 /* One (row, head), as described above. Returns 0, or -1 if out of memory. */
 static int attend_one(const float *qr, const float *keys, const float *values, int n, int hd,
                       float scale, float *o) {
@@ -751,9 +790,28 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
         tops[i] = _mm256_set1_ps(-INFINITY);
     }
     for (int t0 = 0; t0 < nmax; t0 += ATT_TILE) {
+        int from[ATT_ROWS * ATT_GROUP]; /* where each query's scores of this tile go on alone */
+        for (int i = 0; i < nr; i++) from[i] = t0;
+#if SCORES_X2
+        for (int i = 0; i + 1 < nr; i += 2) {
+            const int ea = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
+            const int eb = t0 + ATT_TILE < ns[i + 1] ? t0 + ATT_TILE : ns[i + 1];
+            const int both = ea < eb ? ea : eb;
+            int p = t0;
+            for (; p + 8 <= both; p += 8) {
+                __m256 sa, sb;
+                scores8x2(qs[i], qs[i + 1], keys, p, hd, scale, &sa, &sb);
+                _mm256_storeu_ps(scores[i] + p, sa);
+                _mm256_storeu_ps(scores[i + 1] + p, sb);
+                tops[i] = _mm256_max_ps(tops[i], sa);
+                tops[i + 1] = _mm256_max_ps(tops[i + 1], sb);
+            }
+            from[i] = from[i + 1] = p;
+        }
+#endif
         for (int i = 0; i < nr; i++) {
             const int end = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
-            for (int p = t0; p + 8 <= end; p += 8) {
+            for (int p = from[i]; p + 8 <= end; p += 8) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
                 for (int d = 0; d < hd; d += 8) {
