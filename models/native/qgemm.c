@@ -41,6 +41,8 @@
 #else
 static int omp_get_max_threads(void) { return 1; }
 static int omp_get_thread_num(void) { return 0; }
+static int omp_get_num_threads(void) { return 1; }
+static int omp_in_parallel(void) { return 0; }
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -502,10 +504,12 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
        products, where a step waits longest when the OS has taken a core from one
        of its threads. */
     const int private = rows <= PRIVATE_ROWS;
-    const int copies = private ? omp_get_max_threads() : 1;
+    /* Inside sy_decode_layers' split (a thread's own rows) it runs on one thread. */
+    const int alone = omp_in_parallel();
+    const int copies = private && !alone ? omp_get_max_threads() : 1;
     block_q16 *buffer = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows * (size_t)copies);
     if (!buffer) return -1;
-#pragma omp parallel
+#pragma omp parallel if (!alone)
     {
         block_q16 *xq = buffer;
         if (private) {
@@ -547,7 +551,7 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
  */
 void sy_add_rms_norm(float *x, const float *delta, int rows, int dim, const float *weight,
                      float eps, float *out) {
-#pragma omp parallel for schedule(static) if (rows > 8)
+#pragma omp parallel for schedule(static) if (rows > 8 && !omp_in_parallel())
     for (int r = 0; r < rows; r++) {
         float *v = x + (size_t)r * dim;
         float *o = out + (size_t)r * dim;
@@ -564,7 +568,7 @@ void sy_add_rms_norm(float *x, const float *delta, int rows, int dim, const floa
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] (gate and up side by side). */
 void sy_silu_mul(const float *gate_up, int rows, int inter, float *out) {
-#pragma omp parallel for schedule(static) if (rows > 8)
+#pragma omp parallel for schedule(static) if (rows > 8 && !omp_in_parallel())
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
         float *o = out + (size_t)r * inter;
@@ -869,7 +873,7 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
        from memory once for the group's queries, not once per head. */
     const int tile = SY_AVX2 && hd % 64 == 0 && group <= ATT_GROUP;
     const int per = tile ? group : 1, tasks = runs * (heads / per);
-#pragma omp parallel for schedule(dynamic, 1) if (tasks > 2)
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 2 && !omp_in_parallel())
     for (int task = 0; task < tasks; task++) {
         const int run = task / (heads / per), h0 = task % (heads / per) * per, g = h0 / group;
         const int r0 = starts[run], nr = starts[run + 1] - r0;
@@ -911,7 +915,7 @@ void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads
                    const int64_t *positions, const int64_t *slots, const float *freqs,
                    float *kv, int length) {
     const int rotated = heads + kv_heads, half = hd / 2;
-#pragma omp parallel for schedule(static) if (rows > 8)
+#pragma omp parallel for schedule(static) if (rows > 8 && !omp_in_parallel())
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (size_t)r * row_stride;
         const float *f = freqs + (size_t)positions[r] * hd;
@@ -953,22 +957,11 @@ static int matmul(const sy_matrix *w, const float *x, int rows, float *y) {
     return sy_pgemm(w->kind, x, rows, w->k, w->codes, w->d, w->m, w->n, y);
 }
 
-/*
- * Every layer of a step of rows (one token each, in slot slots[r] at position
- * positions[r], attending positions 0 .. lengths[r] - 1): the same calls, in
- * the same order, as LlamaRuntime.forward makes one by one, without a trip
- * through Python between them. A prompt token being prefilled is a row like a
- * decoding one: every row's keys and values are stored (sy_rope_store) before
- * any row attends, so each attends its slot causally, and its bits are those
- * of the same token decoded alone. x [rows, hidden] is the residual stream,
- * updated in place; delta [rows, hidden] receives the last layer's MLP output,
- * not yet added to x (as forward leaves it). Returns 0, -1 if out of memory,
- * -2 without panels.
- */
-int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
-                     int hidden, int heads, int kv_heads, int hd, int inter,
-                     const int64_t *positions, const int64_t *slots, const int64_t *lengths,
-                     const float *freqs, int length, float scale) {
+/* The layers for rows of a step (see sy_decode_layers), with the threads the caller runs. */
+static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
+                          int hidden, int heads, int kv_heads, int hd, int inter,
+                          const int64_t *positions, const int64_t *slots, const int64_t *lengths,
+                          const float *freqs, int length, float scale) {
     const int width = (heads + 2 * kv_heads) * hd;
     float *h = malloc(sizeof(float) * (size_t)rows * hidden);
     float *qkv = malloc(sizeof(float) * (size_t)rows * width);
@@ -995,5 +988,59 @@ int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delt
         status = matmul(&L->down, act, rows, delta);
     }
     free(h), free(qkv), free(attn), free(out), free(gate_up), free(act);
+    return status;
+}
+
+#define SPLIT_ROWS 4 /* a decoding step's rows per thread from which threads split rows */
+
+/*
+ * Every layer of a step of rows (one token each, in slot slots[r] at position
+ * positions[r], attending positions 0 .. lengths[r] - 1): the same calls, in
+ * the same order, as LlamaRuntime.forward makes one by one, without a trip
+ * through Python between them. A prompt token being prefilled is a row like a
+ * decoding one: every row's keys and values are stored (sy_rope_store) before
+ * any row attends, so each attends its slot causally, and its bits are those
+ * of the same token decoded alone. x [rows, hidden] is the residual stream,
+ * updated in place; delta [rows, hidden] receives the last layer's MLP output,
+ * not yet added to x (as forward leaves it). Returns 0, -1 if out of memory,
+ * -2 without panels.
+ *
+ * A step of decoding rows only (each in a slot of its own), SPLIT_ROWS or more
+ * a thread, is split by rows: each thread takes its share of the rows through
+ * every layer alone, and the threads meet once, at the end, instead of at each
+ * of the step's few hundred matrix products and attentions. A worker shares
+ * its cores with the API, Redis and the clients: where the OS takes a core
+ * from one thread for a few milliseconds, the other goes on with its rows
+ * instead of waiting at the next barrier. Each row gets the same operations
+ * either way (its arithmetic never depends on the rows beside it), so the
+ * same bits. A step with a prompt being prefilled (rows sharing a slot) splits
+ * each product's outputs between the threads, as does one with fewer rows.
+ */
+int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
+                     int hidden, int heads, int kv_heads, int hd, int inter,
+                     const int64_t *positions, const int64_t *slots, const int64_t *lengths,
+                     const float *freqs, int length, float scale) {
+    int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+    threads = rows / SPLIT_ROWS < threads ? rows / SPLIT_ROWS : threads;
+    for (int r = 1; r < rows && threads > 1; r++)
+        for (int s = 0; s < r && threads > 1; s++)
+            if (slots[s] == slots[r]) threads = 1;
+    if (threads <= 1)
+        return layers_of_rows(layers, n_layers, x, delta, rows, hidden, heads, kv_heads, hd, inter,
+                              positions, slots, lengths, freqs, length, scale);
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int r0 = rows * t / n, r1 = rows * (t + 1) / n;
+        const int mine = r1 <= r0 ? 0
+            : layers_of_rows(layers, n_layers, x + (size_t)r0 * hidden, delta + (size_t)r0 * hidden,
+                             r1 - r0, hidden, heads, kv_heads, hd, inter, positions + r0,
+                             slots + r0, lengths + r0, freqs, length, scale);
+        if (mine) {
+#pragma omp atomic write
+            status = mine;
+        }
+    }
     return status;
 }

@@ -167,6 +167,51 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
                 runtime.native_layers = fused
 
 
+def test_a_step_split_by_rows_between_threads_gives_each_row_its_bits_alone() -> None:
+    """Eight decoding rows on two threads: each thread takes four rows through every
+    layer (``sy_decode_layers``' split), and every row's logits are those it gets
+    decoded alone and those of the layer-by-layer path."""
+    model = _tiny_llama()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            runtime = LlamaRuntime(model, quantization="int4")
+            if runtime.native_layers is None:
+                pytest.skip("no panels on this CPU: no fused step to split")
+            cache = runtime.new_cache(8, 64)
+            cache.ensure(32)
+            prompts = [[5 + s, 9, 2 * s + 1, 77][: 1 + s % 4] for s in range(8)]
+            for slot, ids in enumerate(prompts):
+                chunk = Chunk(slot, 0, len(ids))
+                runtime.forward(
+                    StepInput(torch.tensor(ids), torch.arange(len(ids)), [], [chunk], []), cache
+                )
+
+            def decode(slots: list[int]) -> torch.Tensor:
+                step = StepInput(
+                    torch.tensor([11 + s for s in slots]),
+                    torch.tensor([len(prompts[s]) for s in slots]),
+                    slots,
+                    [],
+                    list(range(len(slots))),
+                )
+                return runtime.forward(step, cache)
+
+            order = [6, 2, 7, 0, 5, 1, 3, 4]
+            together = decode(order)
+            for row, slot in enumerate(order):
+                assert torch.equal(decode([slot])[0], together[row])
+            fused = runtime.native_layers
+            runtime.native_layers = None
+            try:
+                assert torch.equal(decode(order), together)
+            finally:
+                runtime.native_layers = fused
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> None:
     """With every layer in one call, a prompt's tokens are rows like decoding ones: one
     chunk, two chunks beside a decoding row, or one token a step give the same logits
