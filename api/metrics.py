@@ -67,7 +67,7 @@ class FarmCollector:
         workers = list_workers(svc.redis, svc.settings)
         capacity = fleet(svc.catalog, svc.jobs, svc.redis, svc.settings, workers)
         by_status = svc.jobs.status_counts()
-        broker = BrokerView(svc.redis)
+        broker = BrokerView(svc.redis, svc.settings)
 
         jobs = GaugeMetricFamily(
             _name("jobs"), "Jobs in the database, per model and status.", labels=["model", "status"]
@@ -80,7 +80,7 @@ class FarmCollector:
         )
         waiting = GaugeMetricFamily(
             _name("broker_messages_waiting"),
-            "Messages waiting in the model's Celery queue (gen.<model>).",
+            "Messages waiting in the model's Celery queue (the list <prefix>:gen.<model>).",
             labels=["model"],
         )
         ready = GaugeMetricFamily(

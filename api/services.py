@@ -51,7 +51,7 @@ class Services:
     job_service: JobService = field(init=False)
 
     def __post_init__(self) -> None:
-        self.job_service = JobService(self.jobs, self.events, self.redis)
+        self.job_service = JobService(self.settings, self.jobs, self.events, self.redis)
 
     def start_background(self) -> None:
         """Start the process's loops: gunicorn's ``post_worker_init`` calls this.

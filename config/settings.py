@@ -75,7 +75,10 @@ class Settings(BaseModel):
     redis_prefix: str = Field(
         default="sy",
         pattern=r"^[A-Za-z0-9_.-]{1,32}$",
-        description="Prefix of every Redis key Switchyard writes (streams, heartbeats).",
+        description=(
+            "Prefix of every Redis key and channel of the farm: streams, heartbeats and "
+            "Celery's broker (the queues <prefix>:gen.<model>)."
+        ),
     )
     stream_ttl_s: int = Field(
         default=3600,

@@ -21,9 +21,11 @@ nothing):
   The dead worker's unacknowledged message is left to Redis' own re-delivery
   after the visibility timeout; the claim drops it then.
 * **Orphaned messages.** A job queued for longer than ``reconcile_after_s``
-  whose message is neither waiting in ``gen.<model>`` nor freshly delivered
-  (e.g. Redis restarted without persistence, or a worker died between taking
-  the message and claiming the job) is sent again. A stray duplicate is
+  whose message is neither waiting in its queue (``<prefix>:gen.<model>``) nor
+  freshly delivered (e.g. Redis restarted without persistence, a worker died
+  between taking the message and claiming the job, or the message waits under
+  a key this farm's broker no longer reads, as after the upgrade that put the
+  broker under the prefix) is sent again. A stray duplicate is
   harmless: the claim drops it.
 * **Pruning.** Lost workers are forgotten ``worker_prune_after_s`` after
   their last beat.
@@ -97,7 +99,7 @@ class Reaper:
         self.jobs = jobs
         self.events = events
         self.redis = client
-        self.broker = BrokerView(client)
+        self.broker = BrokerView(client, settings)
         self.metrics = MetricsStore(client, settings)
         self.history = HistoryStore(jobs.db)
         self.recorder = HistoryRecorder(settings, self.history, settings.reaper_interval_s)
@@ -224,7 +226,7 @@ class Reaper:
         batch.inc(m.JOB_RESTARTS, {**labels, "reason": metric})
         batch.commit()
         try:
-            send_generate(self.redis, job.id, job.model)
+            send_generate(self.redis, self.settings, job.id, job.model)
         except Exception as exc:  # the row is queued: the reconciler sends it later
             log.warning("job %s re-queued but not sent (%s); will retry", job.id, exc)
         log_job_event("retried", job, worker=worker, reason=reason)
@@ -274,7 +276,7 @@ class Reaper:
                 job = self.jobs.get(job_id)
                 if job is None or job.status != "queued":
                     continue
-                send_generate(self.redis, job_id, model)
+                send_generate(self.redis, self.settings, job_id, model)
                 batch = self.metrics.batch()
                 batch.inc(m.JOBS_RESENT, {"model": model})
                 batch.commit()

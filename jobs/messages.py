@@ -9,11 +9,13 @@ list. So the API puts it in the same Redis round trip as the job's ``queued``
 event, and a submission costs no kombu producer, no exchange lookup and no
 task-sent event (about 1 ms of the API's CPU per POST).
 
-Finding reads kombu's Redis layout (kombu 5.x): a queue is a list named after
-it (``gen.<model>``, plus ``gen.<model>\\x06\\x16<n>`` for priorities 3, 6,
-9); a delivered but unacknowledged message sits in the hash ``unacked``
-(delivery tag → ``[message, exchange, routing_key]``) with its delivery time in
-the sorted set ``unacked_index``. A message is found by its ``headers.id``
+Finding reads kombu's Redis layout (kombu 5.x), every key under the farm's
+prefix (kombu's ``global_keyprefix``, :func:`jobs.queues.broker_prefix`): a
+queue is a list named after it (``<prefix>:gen.<model>``, plus
+``<prefix>:gen.<model>\\x06\\x16<n>`` for priorities 3, 6, 9); a delivered but
+unacknowledged message sits in the hash ``<prefix>:unacked`` (delivery tag →
+``[message, exchange, routing_key]``) with its delivery time in the sorted set
+``<prefix>:unacked_index``. A message is found by its ``headers.id``
 (Celery's protocol 2), which is the job id.
 """
 
@@ -29,7 +31,8 @@ from typing import Any, cast
 import redis
 from celery.utils.nodenames import anon_nodename
 
-from jobs.queues import GENERATE_TASK, queue_name
+from config import Settings
+from jobs.queues import GENERATE_TASK, broker_key, queue_key, queue_name
 
 PRIORITY_SEPARATOR = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)
@@ -94,19 +97,21 @@ def generate_message(job_id: str, model: str) -> str:
     )
 
 
-def queue_generate(pipe: redis.client.Pipeline, job_id: str, model: str) -> None:
+def queue_generate(
+    pipe: redis.client.Pipeline, settings: Settings, job_id: str, model: str
+) -> None:
     """Add the push of ``job_id``'s message to ``pipe`` (sent with the pipeline)."""
-    pipe.lpush(queue_name(model), generate_message(job_id, model))
+    pipe.lpush(queue_key(settings, model), generate_message(job_id, model))
 
 
-def send_generate(client: redis.Redis, job_id: str, model: str) -> None:
+def send_generate(client: redis.Redis, settings: Settings, job_id: str, model: str) -> None:
     """Put ``job_id`` on its model's queue (task id = job id)."""
-    client.lpush(queue_name(model), generate_message(job_id, model))
+    client.lpush(queue_key(settings, model), generate_message(job_id, model))
 
 
-def queue_keys(model: str) -> list[str]:
+def queue_keys(settings: Settings, model: str) -> list[str]:
     """The Redis lists that hold ``model``'s waiting messages, every priority."""
-    base = queue_name(model)
+    base = queue_key(settings, model)
     return [base, *(f"{base}{PRIORITY_SEPARATOR}{p}" for p in PRIORITY_STEPS)]
 
 
@@ -130,22 +135,25 @@ def _task_id(raw: bytes | str) -> str | None:
 
 
 class BrokerView:
-    """Read-only questions about the messages in Celery's Redis broker."""
+    """Read-only questions about the messages in one farm's Celery broker (its prefix)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
+        self.settings = settings
+        self.unacked_key = broker_key(settings, UNACKED)
+        self.unacked_index_key = broker_key(settings, UNACKED_INDEX)
 
     def waiting(self, model: str) -> int:
         """Messages waiting in ``model``'s queue (every priority)."""
         pipe = self.redis.pipeline(transaction=False)
-        for key in queue_keys(model):
+        for key in queue_keys(self.settings, model):
             pipe.llen(key)
         return sum(int(n) for n in pipe.execute())
 
     def waiting_ids(self, model: str) -> set[str]:
         """Job ids of the messages waiting in ``model``'s queue."""
         found: set[str] = set()
-        for key in queue_keys(model):
+        for key in queue_keys(self.settings, model):
             start = 0
             while True:
                 page = cast(list[bytes], self.redis.lrange(key, start, start + SCAN_PAGE - 1))
@@ -162,16 +170,16 @@ class BrokerView:
         by a worker that never claimed it (it died in between): it does not count.
         """
         floor = time.time() - since_s
-        tags = cast(list[bytes], self.redis.zrangebyscore(UNACKED_INDEX, floor, "+inf"))
+        tags = cast(list[bytes], self.redis.zrangebyscore(self.unacked_index_key, floor, "+inf"))
         if not tags:
             return set()
-        values = cast(list[bytes | None], self.redis.hmget(UNACKED, tags))
+        values = cast(list[bytes | None], self.redis.hmget(self.unacked_key, tags))
         return {i for i in map(_task_id, (v for v in values if v)) if i is not None}
 
     def unacked_ids(self) -> dict[str, list[str]]:
         """Every unacknowledged message: job id → delivery tags."""
         found: dict[str, list[str]] = {}
-        for tag, raw in cast(dict[bytes, bytes], self.redis.hgetall(UNACKED)).items():
+        for tag, raw in cast(dict[bytes, bytes], self.redis.hgetall(self.unacked_key)).items():
             job_id = _task_id(raw)
             if job_id is not None:
                 found.setdefault(job_id, []).append(tag.decode())

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import redis
 
+from config import Settings
 from db.jobs import JobStore
 from db.schema import Job, JobStatus, utcnow
 from jobs.events import EventLog, JobEvent, usage
@@ -45,7 +46,10 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 class JobService:
     """Queue, cancel and expire jobs through the database and the event log."""
 
-    def __init__(self, jobs: JobStore, events: EventLog, client: redis.Redis) -> None:
+    def __init__(
+        self, settings: Settings, jobs: JobStore, events: EventLog, client: redis.Redis
+    ) -> None:
+        self.settings = settings
         self.jobs = jobs
         self.events = events
         self.redis = client
@@ -61,7 +65,7 @@ class JobService:
             pipe = self.redis.pipeline(transaction=True)
             queued = JobEvent(seq=0, type="queued", fields={"model": job.model})
             self.events.append_to(pipe, job.id, [queued])
-            queue_generate(pipe, job.id, job.model)
+            queue_generate(pipe, self.settings, job.id, job.model)
             pipe.execute()
             log_job_event("queued", job, queue=queue_name(job.model))
         except Exception as exc:

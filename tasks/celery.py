@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 
 from config import Settings
+from jobs.queues import broker_prefix
 
 app = Celery("switchyard", set_as_current=False, include=["tasks.generate"])
 # Lazy: the module is read on first access to app.conf, not at import, and only
@@ -17,7 +18,11 @@ app.config_from_object("tasks.celeryconfig")
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings derived from Switchyard's settings.
 
-    The job row is the result, so nothing is stored in a result backend.
+    The job row is the result, so nothing is stored in a result backend (no
+    result keys in Redis at all). Every key and pub/sub channel of the broker
+    (queues, ``unacked``, bindings, remote control) is under the farm's prefix
+    (``global_keyprefix``, see :mod:`jobs.queues`), so farms with different
+    prefixes share a Redis database without seeing each other's messages.
     Messages are acknowledged after the job ends (acks_late) and re-delivered
     after ``visibility_timeout_s`` if the worker vanished before acking; the
     claim in the database drops any duplicate delivery.
@@ -29,6 +34,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "visibility_timeout": settings.visibility_timeout_s,
             "socket_keepalive": True,
             "health_check_interval": 30,
+            "global_keyprefix": broker_prefix(settings),
         },
         "result_backend": None,
         "task_ignore_result": True,

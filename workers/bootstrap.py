@@ -111,7 +111,7 @@ def run_worker(settings: Settings, model: str) -> int:
         jobs=JobStore(db),
         events=EventLog(client, settings),
         worker_id=worker_id,
-        resend=lambda job_id, name: send_generate(client, job_id, name),
+        resend=lambda job_id, name: send_generate(client, settings, job_id, name),
         metrics=MetricsStore(client, settings),
     )
     heartbeat.sample = sample

@@ -316,7 +316,7 @@ def unfinished_report(
     """What a job that never ended looked like: its row, the broker, the processes' logs."""
     from jobs.messages import BrokerView
 
-    broker = BrokerView(client)
+    broker = BrokerView(client, settings)
     lines = []
     for f in unfinished:
         lines.append(f"job {f.job_id} never ended: row {jobs[f.job_id]}")
@@ -464,7 +464,7 @@ def test_redis_restart_under_a_running_farm(
             # The new Redis holds no message for a finished job.
             from jobs.messages import BrokerView
 
-            assert BrokerView(client).waiting_ids(MODEL) == set()
+            assert BrokerView(client, settings).waiting_ids(MODEL) == set()
             post = probe(url + "/v1/jobs", "POST", json=job_body(8), headers=auth(token))
             assert post[0] == 202, post
             extra = Follower(url, post[1]["id"], token, time.time())

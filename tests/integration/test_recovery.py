@@ -189,11 +189,13 @@ def test_redis_redelivery_of_the_dead_workers_message_is_dropped(
     """The killed worker never acked its message; when Redis re-delivers it, the claim drops it."""
     from kombu import Connection
 
+    from tasks.celery import celery_config
+
     client = redis.Redis.from_url(migrated.redis_url)
-    broker = BrokerView(client)
+    broker = BrokerView(client, migrated)
     events = EventLog(client, migrated)
-    # Other tests' killed workers may have left messages of their own in this
-    # Redis database (their jobs live in other databases: 404 here).
+    # Other tests' killed workers may have left messages of their own under this
+    # prefix (some of their jobs live in other databases: 404 here).
     found = [
         r.json()
         for r in (
@@ -208,8 +210,10 @@ def test_redis_redelivery_of_the_dead_workers_message_is_dropped(
     before = get_job(api_url, admin_token, job_id)
     history = events.history(job_id)
 
-    # What kombu does once the visibility timeout passed, with the timeout at zero.
-    with Connection(migrated.redis_url, transport_options={"visibility_timeout": 0}) as conn:
+    # What kombu does once the visibility timeout passed, with the timeout at zero
+    # (and the farm's broker options, its key prefix among them).
+    options = {**celery_config(migrated)["broker_transport_options"], "visibility_timeout": 0}
+    with Connection(migrated.redis_url, transport_options=options) as conn:
         conn.default_channel.qos.restore_visible(num=1000, interval=1)
     # The surviving worker takes the message again, loses the claim and acks it.
     wait_for(
@@ -313,11 +317,11 @@ def test_a_queued_job_whose_broker_message_vanished_is_sent_again(
 ) -> None:
     """As after a Redis restart without persistence: the row is queued, the message gone."""
     client = redis.Redis.from_url(migrated.redis_url)
-    broker = BrokerView(client)
+    broker = BrokerView(client, migrated)
     model = "tiny-late"  # no worker serves it here, so its message waits in the queue
     job_id = submit(api_url, user_token, max_new_tokens=8, model=model)
     assert job_id in broker.waiting_ids(model)
-    client.delete(*queue_keys(model))
+    client.delete(*queue_keys(migrated, model))
     assert job_id not in broker.waiting_ids(model)
     wait_for(
         "the reaper to send it again",

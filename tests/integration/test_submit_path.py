@@ -25,7 +25,7 @@ import db.session
 from config import Settings
 from db.session import Database
 from jobs.messages import send_generate
-from jobs.queues import GENERATE_TASK, queue_name
+from jobs.queues import GENERATE_TASK, broker_key, queue_key, queue_name
 from tasks import configure
 
 
@@ -38,15 +38,20 @@ def _decoded(raw: bytes) -> dict[str, Any]:
 def test_the_generate_message_is_the_one_celery_send_task_writes(migrated: Settings) -> None:
     client = redis.Redis.from_url(migrated.redis_url)
     model = f"msg-{uuid.uuid4().hex[:8]}"
-    queue = queue_name(model)
+    queue, key = queue_name(model), queue_key(migrated, model)
     job_id = str(uuid.uuid4())
     try:
+        # Celery routes by the queue's name; kombu pushes onto the list under the prefix.
         configure(migrated).send_task(GENERATE_TASK, args=[job_id], task_id=job_id, queue=queue)
-        send_generate(client, job_id, model)
-        ours, celerys = (cast(bytes, client.lpop(queue)) for _ in range(2))
-        assert client.llen(queue) == 0
+        send_generate(client, migrated, job_id, model)
+        ours, celerys = (cast(bytes, client.lpop(key)) for _ in range(2))
+        assert client.llen(key) == 0 and not client.exists(queue)
     finally:
-        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+        client.delete(
+            key,
+            broker_key(migrated, f"_kombu.binding.{queue}"),
+            broker_key(migrated, f"_kombu.binding_permanent.{queue}"),
+        )
     mine, theirs = _decoded(ours), _decoded(celerys)
     # A fresh delivery tag each; Celery names its reply queue (results, which jobs have none).
     for message in (mine, theirs):

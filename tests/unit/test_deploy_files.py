@@ -384,3 +384,21 @@ def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:
             assert {"matchLabels": {"app.kubernetes.io/name": "switchyard"}} in [
                 s.get("podSelector") for s in sources if "namespaceSelector" not in s
             ]
+
+
+def test_keda_counts_the_list_the_workers_consume() -> None:
+    """KEDA's redis trigger names the Redis list kombu keeps the model's queue in: the queue
+    under the farm's prefix (the manifests set none: the default)."""
+    from jobs.queues import queue_key
+
+    for where, _doc, spec in _pod_specs():
+        for container in spec.get("containers", []):
+            names = [e["name"] for e in container.get("env", [])]
+            assert variable_name("redis_prefix") not in names, f"{where}: keda.yaml's listName"
+    scaled = [d for _, d in _k8s_documents() if d["kind"] == "ScaledObject"]
+    assert scaled, "keda.yaml holds no ScaledObject"
+    for doc in scaled:
+        model = doc["spec"]["scaleTargetRef"]["name"].removeprefix("switchyard-worker-")
+        triggers = doc["spec"]["triggers"]
+        lists = [t["metadata"]["listName"] for t in triggers if t["type"] == "redis"]
+        assert lists == [queue_key(Settings(), model)] == [f"sy:gen.{model}"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from config import load_settings
 from db.schema import Job, utcnow
 from jobs.events import JobEvent
 from jobs.service import JobService, final_from_record
@@ -82,13 +83,20 @@ def job(status: str = "queued", **fields: Any) -> Job:
 
 def service(*jobs: Job, fail: bool = False) -> tuple[JobService, FakeJobs, FakeEvents, FakeRedis]:
     store, events, client = FakeJobs(*jobs), FakeEvents(), FakeRedis(fail)
-    return JobService(store, events, client), store, events, client  # type: ignore[arg-type]
+    settings = load_settings({}, redis_prefix="farm-a")
+    return (
+        JobService(settings, store, events, client),  # type: ignore[arg-type]
+        store,
+        events,
+        client,
+    )
 
 
 def test_enqueue_writes_the_queued_event_and_the_message_in_one_pipeline() -> None:
     svc, store, _, client = service(job())
     svc.enqueue(store.rows["j1"])
-    assert client.pipe.calls == [("events", "j1", ["queued"]), ("lpush", "gen.m")]
+    # The queue's list is under the farm's prefix, as kombu's global_keyprefix puts it.
+    assert client.pipe.calls == [("events", "j1", ["queued"]), ("lpush", "farm-a:gen.m")]
     assert "j1" in store.rows
 
 
