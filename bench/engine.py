@@ -40,6 +40,7 @@ def run_engine_bench(
     max_batch_size: int | None = None,
     prompts: Sequence[str] = PROMPTS,
     progress: Callable[[dict[str, float]], None] | None = None,
+    nice: int = 0,
 ) -> list[dict[str, float]]:
     """Measure one engine at several concurrency levels; return one row per level.
 
@@ -52,6 +53,7 @@ def run_engine_bench(
     ``tokens_per_s`` (aggregate), ``ttft_p50_s``, ``ratio`` (to single-stream)
     and ``identical`` (share of requests whose text equals the prompt's text
     alone). ``progress`` is called with each row as soon as it is measured.
+    ``nice`` is the engine's (:class:`models.engine.Engine`).
     """
     from models.engine import Engine, GenerationRequest, SamplingParams
 
@@ -59,6 +61,7 @@ def run_engine_bench(
         loaded,
         max_batch_size=max_batch_size or max(concurrencies),
         max_input_tokens=2048,
+        nice=nice,
     )
     engine.start()
     encoded = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -273,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         requests_per_client=args.requests_per_client,
         prompts=PROMPTS[: args.prompts],
         progress=lambda row: print(format_table([row], "").splitlines()[-1], flush=True),
+        nice=settings.engine_nice,  # as a worker's engine
     )
     if args.compare:
         single = rows[0]["tokens_per_s"]

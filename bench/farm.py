@@ -355,6 +355,14 @@ class FarmClient:
         self.stream = stream
 
     def __call__(self, prompt: str) -> Trace:
+        if self.stream == "openai":  # the peer's very request, with a token
+            return PeerClient(
+                self.base,
+                self.max_new_tokens,
+                headers=self.headers,
+                model=self.model,
+                count_tokens=self.count_tokens,
+            )(prompt)
         trace = Trace(started=time.perf_counter())
         body = {
             "model": self.model,
@@ -419,18 +427,34 @@ class FarmClient:
 class PeerClient:
     """Streaming chat completions from an OpenAI-compatible server (llama-cpp-python's)."""
 
-    def __init__(self, base: str, max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        base: str,
+        max_new_tokens: int,
+        *,
+        headers: dict[str, str] | None = None,
+        model: str | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
         from bench.peer import chat_body
 
         self.base = base
         self.max_new_tokens = max_new_tokens
         self.body = chat_body
+        self.headers = headers or {}
+        self.model = model  # None: the peer's own name
+        # llama.cpp streams one chunk per generated token; a farm may coalesce.
+        self.count_tokens = count_tokens or (lambda text: 1)
 
     def __call__(self, prompt: str) -> Trace:
         trace = Trace(started=time.perf_counter())
+        body = self.body(prompt, self.max_new_tokens)
+        if self.model is not None:
+            body = {**body, "model": self.model, "stream_options": {"include_usage": True}}
         with requests.post(
             f"{self.base}/v1/chat/completions",
-            json=self.body(prompt, self.max_new_tokens),
+            json=body,
+            headers=self.headers,
             stream=True,
             timeout=REQUEST_TIMEOUT_S,
         ) as r:
@@ -446,9 +470,9 @@ class PeerClient:
                 if usage:
                     trace.tokens = int(usage.get("completion_tokens") or trace.tokens)
                 for choice in chunk.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
-                        # llama.cpp streams one chunk per generated token.
-                        trace.text_arrived(1)
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        trace.text_arrived(self.count_tokens(content))
                     finish_reason = choice.get("finish_reason") or finish_reason
         if finish_reason is None:
             # A stream cut short (an interrupted request) is not a completion.
@@ -726,6 +750,7 @@ def engine_phase(
         loaded,
         max_batch_size=definition.limits.max_batch_size,
         max_input_tokens=definition.limits.max_input_tokens,
+        nice=settings.engine_nice,  # as the worker's
     )
     engine.start()
     try:
@@ -1073,7 +1098,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         help="torch threads of the farm's worker alone (default: --threads)",
     )
-    parser.add_argument("--stream", choices=("ws", "sse"), default="ws", help="farm client stream")
+    parser.add_argument(
+        "--stream",
+        choices=("ws", "sse", "openai"),
+        default="ws",
+        help="farm client stream: POST /v1/jobs then the job's websocket or SSE stream, "
+        "or one streaming POST /v1/chat/completions (the peer's request)",
+    )
     parser.add_argument("--subscribers", type=int, default=1000, help="idle websockets (0: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
     parser.add_argument(

@@ -225,6 +225,17 @@ class Settings(BaseModel):
             " CPU kernels for int4 models; off, or without a compiler, PyTorch's int4 kernel runs."
         ),
     )
+    engine_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description=(
+            "How much lower than its process a worker's engine computes in the OS's priority"
+            " (nice, per thread on Linux): the API, Redis, the database and the worker's own job"
+            " threads sharing its cores get the CPU at once when they need it, and the engine"
+            " takes the rest; 0 leaves it at its process's priority."
+        ),
+    )
     prefix_caching: bool = Field(
         default=True,
         description=(

@@ -200,6 +200,7 @@ def _start_engine(
         max_input_tokens=definition.limits.max_input_tokens,
         max_step_tokens=definition.limits.max_step_tokens,
         prefix_caching=settings.prefix_caching,
+        nice=settings.engine_nice,
     )
     engine.start()
     # Warm-up: a worker is ready only once a real generation went through.

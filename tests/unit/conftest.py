@@ -69,12 +69,14 @@ def make_engine(tiny: LoadedModel) -> Iterator[Callable[..., Engine]]:
         max_input_tokens: int = 512,
         start: bool = True,
         prefix_caching: bool = True,
+        nice: int = 0,
     ) -> Engine:
         engine = Engine(
             tiny,
             max_batch_size=max_batch_size,
             max_input_tokens=max_input_tokens,
             prefix_caching=prefix_caching,
+            nice=nice,
         )
         if start:
             engine.start()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -390,6 +393,24 @@ def test_cancel_ends_the_request_and_frees_its_slot(make_engine: MakeEngine) -> 
     assert engine.busy_slots == 0
     running.cancel()  # cancelling a finished request does nothing
     assert running.next_event(timeout=0) == finish
+
+
+def thread_nice(native_id: int) -> int:
+    """A thread's nice value, from /proc (field 19 of its stat line)."""
+    stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux")
+def test_nice_lowers_the_step_loops_priority_and_only_its_own(make_engine: MakeEngine) -> None:
+    mine = thread_nice(threading.get_native_id())
+    engine = make_engine(nice=5)
+    p = prompts(engine, 1)[0]
+    assert drain(engine.submit(GenerationRequest("n", p, GREEDY_N(3))))[1].completion_tokens == 3
+    assert engine._thread is not None and engine._thread.native_id is not None
+    assert thread_nice(engine._thread.native_id) == min(19, mine + 5)
+    assert thread_nice(threading.get_native_id()) == mine
+    assert thread_nice(os.getpid()) == mine  # the process's main thread too
 
 
 def test_cancel_a_waiting_request_ends_it_at_once(make_engine: MakeEngine) -> None:
