@@ -230,7 +230,7 @@ class Settings(BaseModel):
         ge=0,
         le=19,
         description=(
-            "How much lower than its process a worker's engine computes in the OS's priority"
+            "How much lower than its process a CPU worker's engine computes in the OS's priority"
             " (nice, per thread on Linux): the API, Redis, the database and the worker's own job"
             " threads sharing its cores get the CPU at once when they need it, and the engine"
             " takes the rest; 0 leaves it at its process's priority."

@@ -275,9 +275,9 @@ class Engine:
     must be the same on any worker, fresh or resumed, and reused keys and
     values may differ from a fresh prefill's in the last bits.
 
-    ``nice`` lowers the step loop's priority (:func:`lower_priority`): a
-    worker's engine shares its cores with the API and Redis, whose short bursts
-    of work would otherwise wait behind a step.
+    ``nice`` lowers the step loop's priority on a CPU (:func:`lower_priority`):
+    a worker's engine shares its cores with the API and Redis, whose short
+    bursts of work would otherwise wait behind a step.
     """
 
     def __init__(
@@ -331,7 +331,9 @@ class Engine:
         self._rate: deque[tuple[float, int]] = deque()
         self._started_at = time.monotonic()
         self._threads = torch.get_num_threads()
-        self._nice = nice
+        # On a GPU the loop launches kernels and waits for them: a launch
+        # delayed behind the API would idle the device, so it keeps its priority.
+        self._nice = nice if torch.device(self.device).type == "cpu" else 0
 
     # -- public API -------------------------------------------------------------
 
