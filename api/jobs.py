@@ -1,26 +1,21 @@
 """The job resource: submit, list, read, cancel, and stream (websocket and SSE).
 
-:func:`submit_job` is the one submission path of every front door (native,
-OpenAI, TGI, the multiplexed websocket): model and auth checks, limits,
-idempotency, deadline, then the row, the ``queued`` event and the Celery
-message (:class:`jobs.service.JobService`, which also cancels and expires
-jobs). :func:`follow_job` is the shared reading half.
+:func:`submit_job` is every front door's way into
+:meth:`jobs.service.JobService.submit` (native, OpenAI, TGI, the multiplexed
+websocket): it hands the service what it reads from the request (client
+address, request id) and answers its refusals in HTTP. :func:`follow_job` is
+the shared reading half.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-import redis
 from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
@@ -42,10 +37,9 @@ from api.errors import (
     Forbidden,
     NotFound,
     Unauthorized,
-    Unavailable,
     ValidationFailed,
+    refusal_error,
 )
-from api.limits import Limiter, caller_for, check_capacity, check_queue
 from api.openapi import Header, spec
 from api.request_ids import request_id
 from api.schemas import JobRequest, json_body, parse
@@ -60,15 +54,12 @@ from api.streams import (
     sse_response,
 )
 from api.waiting import WaitingWatch
-from config import ModelDefinition
 from db.accounts import Principal
-from db.jobs import EXPIRED, DuplicateIdempotencyKey
-from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
-from db.schema import Job, JobStatus, utcnow
-from fleet.scaler_state import wake_if_idle
+from db.jobs import EXPIRED
+from db.schema import Job, JobStatus
+from jobs.errors import JobRefused
 from jobs.events import JobEvent
-from jobs.joblog import log_job_event
-from jobs.service import final_from_record
+from jobs.service import JobSpec, Submitted, final_from_record
 
 log = logging.getLogger(__name__)
 
@@ -126,34 +117,6 @@ def stream_urls(job_id: str) -> dict[str, str]:
     return {"ws": f"/v1/jobs/{job_id}/ws", "events": f"/v1/jobs/{job_id}/events"}
 
 
-def served_model(name: str) -> ModelDefinition:
-    """The definition of a model served here, with run-time overrides; 404 otherwise."""
-    svc = services()
-    definition = svc.catalog.get(name)
-    if definition is not None:
-        override = svc.rows.get(
-            cache_key(name), CACHE_MAX_AGE_S, lambda: ModelOverrides(svc.db).get(name)
-        )
-        definition = apply(definition, cast(Override | None, override))
-    if definition is None or not definition.enabled:
-        raise NotFound(f"model {name!r} is not served here", field="model")
-    return definition
-
-
-def authorize_model(definition: ModelDefinition, principal: Principal | None) -> None:
-    """A private model needs a token (401 otherwise)."""
-    if principal is None and not definition.public:
-        raise Unauthorized(f"model {definition.name!r} needs an API token")
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """A job as submitted; ``replayed`` when an idempotency key found an earlier one."""
-
-    job: Job
-    replayed: bool = False
-
-
 def idempotency_key_header() -> str | None:
     """The request's ``Idempotency-Key``; 400 when it is not short printable ASCII."""
     key = request.headers.get("Idempotency-Key")
@@ -167,124 +130,40 @@ def idempotency_key_header() -> str | None:
     return key
 
 
-def request_hash(req: JobRequest) -> str:
-    """SHA-256 (hex) of what a job is made of: model, input, sampling params, deadline.
-
-    Two requests with the same hash make the same job, whichever front door
-    or JSON spelling they came with.
-    """
-    canonical = {
-        "model": req.model,
-        "messages": [m.model_dump() for m in req.messages] if req.messages is not None else None,
-        "prompt": req.prompt,
-        "params": req.params.given(),
-        "deadline_s": req.deadline_s,
-    }
-    raw = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
-def _replay(earlier: Job, digest: str) -> Submitted:
-    """The earlier job of an idempotency key; 422 when it was made for another request."""
-    if earlier.request_hash is not None and earlier.request_hash != digest:
-        raise ValidationFailed(
-            "Idempotency-Key: keys for idempotent requests can only be used with the same "
-            f"parameters; this key was first used for job {earlier.id} with different ones",
-            field="Idempotency-Key",
-        )
-    return Submitted(earlier, replayed=True)
-
-
-AWAKE_MAX_AGE_S = 1.0
-"""How often one process checks (and wakes) a model's scaler as jobs arrive."""
+def job_spec(req: JobRequest) -> JobSpec:
+    """What ``req`` makes a job of, as the job service takes it."""
+    return JobSpec(
+        model=req.model,
+        prompt=req.prompt,
+        messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
+        params=req.params.given(),
+        deadline_s=req.deadline_s,
+    )
 
 
 def submit_job(
     req: JobRequest, principal: Principal | None, *, idempotency_key: str | None = None
 ) -> Submitted:
-    """Record a job, log its ``queued`` event and put it on its model's queue.
+    """Submit ``req`` for this request's client (:meth:`jobs.service.JobService.submit`).
 
-    Shared by every front door; raises an :class:`ApiError` before anything is
-    stored or counted when the request cannot be served: 404 unknown or
-    disabled model, 401 private model without a token, 422 a parameter over
-    the model's limits, 503 a model that can never get a worker, 429 (with
-    Retry-After) a full queue or a caller over their limits. A refused request
-    is not counted against the caller's requests per minute. With
-    ``idempotency_key``, a job already submitted with that key by the same
-    caller is returned instead of a new one (before any limit is counted), or
-    422 when the key was first used for a different request.
+    The submission path of every front door: the client's address and the
+    request id come from the request, and a refusal is raised as the
+    :class:`ApiError` it is answered with (:func:`api.errors.refusal_error`):
+    404 unknown or disabled model, 401 private model without a token, 422 a
+    parameter over the model's limits or an idempotency key reused for another
+    request, 503 a model that can never get a worker or a queue that is down,
+    429 (with Retry-After) a full queue or a caller over their limits.
     """
-    svc = services()
-    definition = served_model(req.model)
-    authorize_model(definition, principal)
-    params = req.params.given()
-    max_new = params.get("max_new_tokens")
-    if max_new is not None and max_new > definition.limits.max_new_tokens:
-        raise ValidationFailed(
-            f"params.max_new_tokens: at most {definition.limits.max_new_tokens} for {req.model}",
-            field="params.max_new_tokens",
-        )
-    scoped_key = digest = None
-    if idempotency_key is not None:
-        # Per user; a caller without a token is scoped by its address, so one
-        # anonymous caller can never learn another's job id by guessing a key.
-        scope = str(principal.user_id) if principal is not None else f"anon@{client_address()}"
-        scoped_key = f"{scope}:{idempotency_key}"
-        digest = request_hash(req)
-        earlier = svc.jobs.by_idempotency_key(scoped_key)
-        if earlier is not None:
-            return _replay(earlier, digest)
-    check_capacity(definition, svc.redis, svc.db, svc.settings, svc.rows)
-    check_queue(definition, svc.jobs, svc.settings, svc.rows)
-    caller = caller_for(principal, client_address(), svc.settings)
-    limiter = Limiter(svc.redis, svc.settings)
-    job_id = str(uuid.uuid4())
-    admission = limiter.admit_job(caller, job_id, svc.jobs)
-    wait_s: float | None = svc.settings.queue_deadline_s or None
-    if req.deadline_s is not None:
-        wait_s = min(req.deadline_s, wait_s) if wait_s else req.deadline_s
     try:
-        job = svc.jobs.create(
-            job_id=job_id,
-            model=req.model,
-            user_id=principal.user_id if principal else None,
-            messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
-            prompt=req.prompt,
-            params=params,
-            deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
-            idempotency_key=scoped_key,
-            request_hash=digest,
+        return services().job_service.submit(
+            job_spec(req),
+            principal,
+            address=client_address(),
             request_id=request_id(),
+            idempotency_key=idempotency_key,
         )
-    except DuplicateIdempotencyKey:
-        # A concurrent twin of this request won the insert: answer with its job.
-        limiter.refund(admission)
-        earlier = svc.jobs.by_idempotency_key(scoped_key or "")
-        if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
-            raise Unavailable("the job queue is unavailable; retry shortly") from None
-        return _replay(earlier, digest or "")
-    except BaseException:
-        with contextlib.suppress(Exception):
-            limiter.refund(admission)
-        raise
-    log_job_event("submitted", job)
-    try:
-        svc.job_service.enqueue(job)
-    except Exception as exc:  # broker or Redis down: nothing was accepted (row deleted)
-        # Redis may be what is down; the prune on the caller's next refusal frees
-        # the slot, and the window forgets the request within a minute.
-        with contextlib.suppress(Exception):
-            limiter.refund(admission)
-        if isinstance(exc, (redis.RedisError, OSError)):
-            raise Unavailable("the job queue is unavailable; retry shortly") from None
-        raise
-    # A model at zero starts a worker now: at most one check (and wake-up) per
-    # model a second per process; a lost wake-up only waits for the scaler's tick.
-    awake = f"awake:{req.model}"
-    if not svc.rows.peek(awake, AWAKE_MAX_AGE_S):
-        wake_if_idle(svc.redis, svc.settings, req.model)
-        svc.rows.put(awake, True)
-    return Submitted(job)
+    except JobRefused as exc:
+        raise refusal_error(exc) from None
 
 
 def visible_job(job_id: str, principal: Principal | None, *, shared: bool = False) -> Job:

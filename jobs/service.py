@@ -1,28 +1,111 @@
-"""The job service: what happens to a job once its row exists, whichever front door took it.
+"""The job service: a job's submission and life, whichever front door took it.
 
-The last step of a submission (the ``queued`` event and the generate message
-in one round trip), cancelling, expiring a job queued past its deadline, and
-a finished job's final event rebuilt from its row. The API's front doors
-call it after their own checks (model, token, limits, idempotency) and answer
-in HTTP; it knows nothing of Flask, so it is driven the same way from a test
-or another process.
+:meth:`JobService.submit` is the one submission path of every front door
+(native, OpenAI, TGI, the multiplexed websocket): the served model and its
+token, the model's limits, idempotency, capacity, queue length and the
+caller's limits, the deadline, then the row, the ``queued`` event and the
+generate message. Then cancelling, expiring a job queued past its deadline,
+and a finished job's final event rebuilt from its row.
+
+It knows nothing of Flask, so it is driven the same way from a test or
+another process: what the API reads from a request (the client's address,
+the request id, the idempotency key) comes in as plain arguments, and a
+request it will not take raises a :class:`jobs.errors.JobRefused`, which the
+API answers in HTTP (:func:`api.errors.refusal_error`). What it asks of the
+workers' side comes through :class:`Fleet` (``jobs/`` imports no ``fleet/``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import contextlib
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, Protocol, cast
 
 import redis
 
-from config import Settings
-from db.jobs import JobStore
+from config import Catalog, ModelDefinition, Settings
+from db.accounts import Principal
+from db.jobs import DuplicateIdempotencyKey, JobStore
+from db.lookups import RowCache
+from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
+from db.session import Database
+from jobs.errors import InvalidRequest, QueueDown, TokenRequired, UnknownModel
 from jobs.events import EventLog, JobEvent, usage
 from jobs.joblog import log_job_event
+from jobs.limits import Limiter, caller_for, check_queue
 from jobs.messages import queue_generate
 from jobs.queues import queue_name
 
 CancelResult = Literal["cancelled", "cancel_requested", "final"]
+
+AWAKE_MAX_AGE_S = 1.0
+"""How often one process checks (and wakes) a model's scaler as jobs arrive, in seconds."""
+
+
+class Fleet(Protocol):
+    """What a submission asks of the workers' side (:class:`fleet.capacity.SubmissionFleet`)."""
+
+    def check_capacity(self, definition: ModelDefinition) -> None:
+        """Raise :class:`jobs.errors.Unservable` when no worker of the model can ever come."""
+
+    def wake_if_idle(self, model: str) -> None:
+        """Wake the scaler for ``model`` if it is at zero; never raises."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job is made of, whichever front door's JSON it came in.
+
+    ``params`` holds only the sampling parameters the client set; exactly one
+    of ``prompt`` and ``messages`` is given (the front doors' schemas check it).
+    """
+
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A job as submitted; ``replayed`` when an idempotency key found an earlier one."""
+
+    job: Job
+    replayed: bool = False
+
+
+def request_hash(spec: JobSpec) -> str:
+    """SHA-256 (hex) of what a job is made of: model, input, sampling params, deadline.
+
+    Two requests with the same hash make the same job, whichever front door
+    or JSON spelling they came with.
+    """
+    canonical = {
+        "model": spec.model,
+        "messages": spec.messages,
+        "prompt": spec.prompt,
+        "params": spec.params,
+        "deadline_s": spec.deadline_s,
+    }
+    raw = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _replay(earlier: Job, digest: str) -> Submitted:
+    """The earlier job of an idempotency key; refused when it was made for another request."""
+    if earlier.request_hash is not None and earlier.request_hash != digest:
+        raise InvalidRequest(
+            "Idempotency-Key: keys for idempotent requests can only be used with the same "
+            f"parameters; this key was first used for job {earlier.id} with different ones",
+            field="Idempotency-Key",
+        )
+    return Submitted(earlier, replayed=True)
 
 
 def final_from_record(job: Job, seq: int) -> JobEvent:
@@ -44,15 +127,149 @@ def final_from_record(job: Job, seq: int) -> JobEvent:
 
 
 class JobService:
-    """Queue, cancel and expire jobs through the database and the event log."""
+    """Submit, queue, cancel and expire jobs through the database and the event log.
+
+    ``rows`` is the process's cache of rows read often (model overrides,
+    queue counts): the same one its other readers use.
+    """
 
     def __init__(
-        self, settings: Settings, jobs: JobStore, events: EventLog, client: redis.Redis
+        self,
+        settings: Settings,
+        jobs: JobStore,
+        events: EventLog,
+        client: redis.Redis,
+        *,
+        catalog: Catalog,
+        db: Database,
+        rows: RowCache,
+        fleet: Fleet,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
         self.events = events
         self.redis = client
+        self.catalog = catalog
+        self.db = db
+        self.rows = rows
+        self.fleet = fleet
+        self.limiter = Limiter(client, settings)
+
+    def served_model(self, name: str) -> ModelDefinition:
+        """The definition of a model served here, with its run-time overrides;
+        :class:`UnknownModel` for one unknown or disabled."""
+        definition = self.catalog.get(name)
+        if definition is not None:
+            override = self.rows.get(
+                cache_key(name), CACHE_MAX_AGE_S, lambda: ModelOverrides(self.db).get(name)
+            )
+            definition = apply(definition, cast(Override | None, override))
+        if definition is None or not definition.enabled:
+            raise UnknownModel(f"model {name!r} is not served here", field="model")
+        return definition
+
+    @staticmethod
+    def authorize_model(definition: ModelDefinition, principal: Principal | None) -> None:
+        """A private model needs a token (:class:`TokenRequired` otherwise)."""
+        if principal is None and not definition.public:
+            raise TokenRequired(f"model {definition.name!r} needs an API token")
+
+    def submit(
+        self,
+        spec: JobSpec,
+        principal: Principal | None,
+        *,
+        address: str,
+        request_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Submitted:
+        """Record a job, log its ``queued`` event and put it on its model's queue.
+
+        ``address`` is the client's (the limits of a caller without a token),
+        ``request_id`` the one the job's row and log lines carry. Raises a
+        :class:`~jobs.errors.JobRefused` before anything is stored or counted
+        when the request cannot be served: unknown or disabled model, private
+        model without a token, a parameter over the model's limits, a model
+        that can never get a worker, a full queue or a caller over their
+        limits (:class:`~jobs.errors.OverLimit`, with when to retry). A
+        refused request is not counted against the caller's requests per
+        minute. With ``idempotency_key``, a job already submitted with that
+        key by the same caller is returned instead of a new one (before any
+        limit is counted), or :class:`~jobs.errors.InvalidRequest` when the
+        key was first used for a different request. A queue that cannot take
+        the job (Redis or the broker down) is :class:`~jobs.errors.QueueDown`,
+        with nothing kept or counted.
+        """
+        definition = self.served_model(spec.model)
+        self.authorize_model(definition, principal)
+        params = spec.params
+        max_new = params.get("max_new_tokens")
+        if max_new is not None and max_new > definition.limits.max_new_tokens:
+            raise InvalidRequest(
+                f"params.max_new_tokens: at most {definition.limits.max_new_tokens} "
+                f"for {spec.model}",
+                field="params.max_new_tokens",
+            )
+        scoped_key = digest = None
+        if idempotency_key is not None:
+            # Per user; a caller without a token is scoped by its address, so one
+            # anonymous caller can never learn another's job id by guessing a key.
+            scope = str(principal.user_id) if principal is not None else f"anon@{address}"
+            scoped_key = f"{scope}:{idempotency_key}"
+            digest = request_hash(spec)
+            earlier = self.jobs.by_idempotency_key(scoped_key)
+            if earlier is not None:
+                return _replay(earlier, digest)
+        self.fleet.check_capacity(definition)
+        check_queue(definition, self.jobs, self.settings, self.rows)
+        caller = caller_for(principal, address, self.settings)
+        job_id = str(uuid.uuid4())
+        admission = self.limiter.admit_job(caller, job_id, self.jobs)
+        wait_s: float | None = self.settings.queue_deadline_s or None
+        if spec.deadline_s is not None:
+            wait_s = min(spec.deadline_s, wait_s) if wait_s else spec.deadline_s
+        try:
+            job = self.jobs.create(
+                job_id=job_id,
+                model=spec.model,
+                user_id=principal.user_id if principal else None,
+                messages=spec.messages,
+                prompt=spec.prompt,
+                params=params,
+                deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
+                idempotency_key=scoped_key,
+                request_hash=digest,
+                request_id=request_id,
+            )
+        except DuplicateIdempotencyKey:
+            # A concurrent twin of this request won the insert: answer with its job.
+            self.limiter.refund(admission)
+            earlier = self.jobs.by_idempotency_key(scoped_key or "")
+            if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
+                raise QueueDown("the job queue is unavailable; retry shortly") from None
+            return _replay(earlier, digest or "")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.limiter.refund(admission)
+            raise
+        log_job_event("submitted", job)
+        try:
+            self.enqueue(job)
+        except Exception as exc:  # broker or Redis down: nothing was accepted (row deleted)
+            # Redis may be what is down; the prune on the caller's next refusal frees
+            # the slot, and the window forgets the request within a minute.
+            with contextlib.suppress(Exception):
+                self.limiter.refund(admission)
+            if isinstance(exc, (redis.RedisError, OSError)):
+                raise QueueDown("the job queue is unavailable; retry shortly") from None
+            raise
+        # A model at zero starts a worker now: at most one check (and wake-up) per
+        # model a second per process; a lost wake-up only waits for the scaler's tick.
+        awake = f"awake:{spec.model}"
+        if not self.rows.peek(awake, AWAKE_MAX_AGE_S):
+            self.fleet.wake_if_idle(spec.model)
+            self.rows.put(awake, True)
+        return Submitted(job)
 
     def enqueue(self, job: Job) -> None:
         """Write ``job``'s ``queued`` event and put its message on its model's queue.
