@@ -19,7 +19,6 @@ from typing import Any, Literal
 from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
-from sqlalchemy.exc import SQLAlchemyError
 
 from api.auth import (
     CLOSE_TOKEN_INVALID,
@@ -56,10 +55,10 @@ from api.streams import (
 from api.waiting import WaitingWatch
 from db.accounts import Principal
 from db.jobs import EXPIRED
-from db.schema import Job, JobStatus
-from jobs.errors import JobRefused
+from db.schema import Job
+from jobs.errors import JobRefused, ReaderLagging
 from jobs.events import JobEvent
-from jobs.service import JobSpec, Submitted, final_from_record
+from jobs.service import JobSpec, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +173,13 @@ def visible_job(job_id: str, principal: Principal | None, *, shared: bool = Fals
     capability URL (122 random bits, only ever given to its submitter).
 
     ``shared`` (a stream opening): an unfinished job's row may come from the
-    process's row cache (:func:`job_row`, dropped when a stream here sees the
-    job end): its owner never changes, and the stream itself says how the job
-    goes on. Ten thousand sockets following two hundred jobs then read two
-    hundred rows, not ten thousand.
+    process's row cache (:meth:`jobs.service.JobService.job_row`, dropped when
+    a stream here sees the job end): its owner never changes, and the stream
+    itself says how the job goes on. Ten thousand sockets following two
+    hundred jobs then read two hundred rows, not ten thousand.
     """
-    job = job_row(job_id) if shared else services().jobs.get(job_id)
+    svc = services()
+    job = svc.job_service.job_row(job_id) if shared else svc.jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}")
     if job.user_id is not None:
@@ -212,53 +212,6 @@ class JobFailed(ApiError):
             self.status, self.error_type = 500, "generation_error"
 
 
-# How often a quiet stream's job row is read again, in seconds, to notice a job
-# that ended without its final event reaching the stream (see follow_job).
-RECORD_CHECK_S = 10.0
-
-
-def job_row_key(job_id: str) -> str:
-    return f"job:{job_id}"
-
-
-def job_row(job_id: str) -> Job | None:
-    """``job_id``'s row, read at most every :data:`RECORD_CHECK_S` in this process
-    while the job has not ended (one read for all its streams, at a time)."""
-    svc = services()
-    found = svc.rows.get(
-        job_row_key(job_id),
-        RECORD_CHECK_S,
-        lambda: svc.jobs.get(job_id),
-        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
-    )
-    return found if isinstance(found, Job) else None
-
-
-def _ended_by_record(job_id: str, last: int) -> list[JobEvent] | None:
-    """How a stream that has reached ``last`` ends, if ``job_id`` has ended in the
-    database: the stream's own events after ``last`` up to its final one, or,
-    when the stream holds no final event, those followed by the row's. None
-    while the row has not ended.
-
-    The row can end before this reader has taken the job's last events (a
-    busy process relays them late): they are read from the stream, never
-    skipped. A row that has not ended is read at most once per
-    :data:`RECORD_CHECK_S` per job in this process, however many streams
-    follow the job; an ended one is never taken from that cache.
-    """
-    job = job_row(job_id)
-    if job is None or not JobStatus(job.status).final:
-        return None
-    rest: list[JobEvent] = []
-    for event in services().events.history(job_id, after=last):
-        rest.append(event)
-        if event.final:
-            return rest
-    seq = max(last, services().events.last_seq(job_id), *(e.seq for e in rest)) + 1
-    log.info("job %s ended but its stream holds no final event; answered from its row", job_id)
-    return [*rest, final_from_record(job, seq)]
-
-
 def follow_job(
     job: Job,
     after: int = -1,
@@ -267,71 +220,20 @@ def follow_job(
     watch: LagWatch | None = None,
     full: bool = False,
 ) -> Generator[JobEvent | None, None, None]:
-    """Every event of ``job`` after seq ``after``, ending after the final one.
+    """Every event of ``job`` after seq ``after``, ending after the final one
+    (:meth:`jobs.service.JobService.follow`: keep-alive Nones, deadlines, the
+    row's final event when the stream lost it).
 
     Without ``full`` (operators' streams) events lose their internals: worker
     names and the text of errors not worded for clients (api/disclosure.py).
-
-    Yields None after each ``idle_s`` of silence, so a caller can send a
-    keep-alive (which is also how a vanished client is noticed); expires the
-    job when it is still queued past its deadline. With ``watch`` (a
-    websocket's), the subscription joins it and :class:`SlowClient` is raised
-    once its buffer overflowed: the socket's reader is too slow.
-
-    A job can end without its final event in the stream: the stream expired
-    (``stream_ttl_s``), or Redis restarted and lost it. While the stream is
-    quiet, the job's row is read again (at once for a job that had already
-    ended when the reader came, then every :data:`RECORD_CHECK_S`); a row that
-    has ended gives the final event (:func:`final_from_record`), so no reader
-    waits for an event that will never come.
+    With ``watch`` (a websocket's), :class:`SlowClient` is raised once the
+    subscription's buffer overflowed: the socket's reader is too slow.
     """
-    for event in _follow(job, after, idle_s=idle_s, watch=watch):
-        yield event if event is None else event_for(event, full)
-
-
-def _follow(
-    job: Job, after: int, *, idle_s: float, watch: LagWatch | None
-) -> Generator[JobEvent | None, None, None]:
-    ended_before = JobStatus(job.status).final
-    if ended_before and services().events.last_seq(job.id) < 0:
-        yield final_from_record(job, after + 1)  # its stream expired (or was lost)
-        return
-    with services().hub.subscribe(job.id) as sub:
-        if watch is not None:
-            watch.add(sub)
-        try:
-            last = after
-            now = time.monotonic()
-            next_check = now if ended_before else now + RECORD_CHECK_S
-            while True:
-                for event in sub.events(last, idle_timeout=idle_s):
-                    if watch is not None and sub.lagging:
-                        raise SlowClient("the subscription is lagging")
-                    last = event.seq
-                    if event.final:
-                        # The row changed: the next stream to open reads it again.
-                        services().rows.forget(job_row_key(job.id))
-                    yield event
-                    if event.final:
-                        return
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + RECORD_CHECK_S
-                    try:
-                        ended = _ended_by_record(job.id, last)
-                    except SQLAlchemyError as exc:
-                        # A safety net, not the stream: a busy or absent database
-                        # skips this check (retried next time) instead of closing
-                        # a stream that works (10,000 openings once emptied the pool).
-                        log.info("record check of job %s skipped: %s", job.id, type(exc).__name__)
-                        ended = None
-                    if ended is not None:
-                        yield from ended
-                        return
-                services().job_service.expire_if_due(job)
-                yield None
-        finally:
-            if watch is not None:
-                watch.discard(sub)
+    try:
+        for event in services().job_service.follow(job, after, idle_s=idle_s, watch=watch):
+            yield event if event is None else event_for(event, full)
+    except ReaderLagging:
+        raise SlowClient("the subscription is lagging") from None
 
 
 def restart_error(fields: dict[str, Any]) -> str:

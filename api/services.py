@@ -61,6 +61,7 @@ class Services:
             db=self.db,
             rows=self.rows,
             fleet=SubmissionFleet(self.redis, self.db, self.settings, self.rows),
+            relay=self.hub,
         )
 
     def start_background(self) -> None:

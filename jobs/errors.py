@@ -1,8 +1,9 @@
-"""Why the farm will not take a request: the refusals of :mod:`jobs.service` and :mod:`jobs.limits`.
+"""The job package's exceptions: why the farm will not take a request, and a reader too slow.
 
-They carry their data and know no HTTP; the API gives each its status code
-and body in one place (:func:`api.errors.refusal_error`), so a test or
-another process sees the same refusals the front doors answer.
+The refusals of :mod:`jobs.service` and :mod:`jobs.limits` carry their data
+and know no HTTP; the API gives each its status code and body in one place
+(:func:`api.errors.refusal_error`), so a test or another process sees the
+same refusals the front doors answer.
 """
 
 from __future__ import annotations
@@ -45,3 +46,8 @@ class Unservable(JobRefused):
 
 class QueueDown(JobRefused):
     """The job queue (Redis, the broker) could not take the job; nothing was accepted."""
+
+
+class ReaderLagging(Exception):
+    """A reader of a job's events fell behind: its subscription's buffer of live
+    events overflowed (:meth:`jobs.service.JobService.follow` with a watch)."""

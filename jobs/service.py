@@ -13,6 +13,10 @@ the request id, the idempotency key) comes in as plain arguments, and a
 request it will not take raises a :class:`jobs.errors.JobRefused`, which the
 API answers in HTTP (:func:`api.errors.refusal_error`). What it asks of the
 workers' side comes through :class:`Fleet` (``jobs/`` imports no ``fleet/``).
+
+:meth:`JobService.follow` is the reading half: a job's events from a seq on,
+live, ending after its final one, through the process's :class:`Relay` (the
+API's pub/sub hub); how an event is shown to whom stays with the API.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import time
 import uuid
+from collections.abc import Generator, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, Protocol, cast
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 
 from config import Catalog, ModelDefinition, Settings
 from db.accounts import Principal
@@ -34,17 +43,22 @@ from db.lookups import RowCache
 from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
 from db.schema import Job, JobStatus, utcnow
 from db.session import Database
-from jobs.errors import InvalidRequest, QueueDown, TokenRequired, UnknownModel
+from jobs.errors import InvalidRequest, QueueDown, ReaderLagging, TokenRequired, UnknownModel
 from jobs.events import EventLog, JobEvent, usage
 from jobs.joblog import log_job_event
 from jobs.limits import Limiter, caller_for, check_queue
 from jobs.messages import queue_generate
 from jobs.queues import queue_name
 
+log = logging.getLogger(__name__)
+
 CancelResult = Literal["cancelled", "cancel_requested", "final"]
 
 AWAKE_MAX_AGE_S = 1.0
 """How often one process checks (and wakes) a model's scaler as jobs arrive, in seconds."""
+RECORD_CHECK_S = 10.0
+"""How often a quiet stream's job row is read again, in seconds, to notice a job
+that ended without its final event reaching the stream (see :meth:`JobService.follow`)."""
 
 
 class Fleet(Protocol):
@@ -55,6 +69,38 @@ class Fleet(Protocol):
 
     def wake_if_idle(self, model: str) -> None:
         """Wake the scaler for ``model`` if it is at zero; never raises."""
+
+
+class Subscription(Protocol):
+    """One reader's live events of one job (:class:`api.streams.Subscription`)."""
+
+    @property
+    def lagging(self) -> bool:
+        """True once its buffer of live events overflowed."""
+
+    def events(self, after: int = -1, *, idle_timeout: float | None = None) -> Iterator[JobEvent]:
+        """Every event with ``seq > after`` in order, ending after a final event or
+        after ``idle_timeout`` seconds with nothing new."""
+
+
+class Relay(Protocol):
+    """The process's live events of jobs (:class:`api.streams.RelayHub`)."""
+
+    def subscribe(self, job_id: str) -> AbstractContextManager[Subscription]:
+        """A subscription to ``job_id``'s events, ended when its context exits."""
+
+
+class Watch(Protocol):
+    """The subscriptions feeding one reader (:class:`api.streams.LagWatch`)."""
+
+    def add(self, sub: Any) -> None: ...
+
+    def discard(self, sub: Any) -> None: ...
+
+
+def job_row_key(job_id: str) -> str:
+    """The key of ``job_id``'s row in the process's row cache."""
+    return f"job:{job_id}"
 
 
 @dataclass(frozen=True)
@@ -130,7 +176,7 @@ class JobService:
     """Submit, queue, cancel and expire jobs through the database and the event log.
 
     ``rows`` is the process's cache of rows read often (model overrides,
-    queue counts): the same one its other readers use.
+    queue counts, the rows of followed jobs): the same one its other readers use.
     """
 
     def __init__(
@@ -144,6 +190,7 @@ class JobService:
         db: Database,
         rows: RowCache,
         fleet: Fleet,
+        relay: Relay,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
@@ -153,6 +200,7 @@ class JobService:
         self.db = db
         self.rows = rows
         self.fleet = fleet
+        self.relay = relay
         self.limiter = Limiter(client, settings)
 
     def served_model(self, name: str) -> ModelDefinition:
@@ -325,3 +373,103 @@ class JobService:
         self.events.append(job.id, [JobEvent(seq=seq, type="error", fields={"error": "expired"})])
         log_job_event("failed", job, error="expired")
         return True
+
+    def job_row(self, job_id: str) -> Job | None:
+        """``job_id``'s row, read at most every :data:`RECORD_CHECK_S` in this process
+        while the job has not ended (one read for all its streams, at a time)."""
+        found = self.rows.get(
+            job_row_key(job_id),
+            RECORD_CHECK_S,
+            lambda: self.jobs.get(job_id),
+            keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
+        )
+        return found if isinstance(found, Job) else None
+
+    def follow(
+        self, job: Job, after: int = -1, *, idle_s: float, watch: Watch | None = None
+    ) -> Generator[JobEvent | None, None, None]:
+        """Every event of ``job`` after seq ``after``, ending after the final one.
+
+        Yields None after each ``idle_s`` of silence, so a caller can send a
+        keep-alive (which is also how a vanished client is noticed); expires
+        the job when it is still queued past its deadline. With ``watch`` (a
+        websocket's), the subscription joins it and :class:`ReaderLagging` is
+        raised once its buffer overflowed: the reader is too slow.
+
+        A job can end without its final event in the stream: the stream
+        expired (``stream_ttl_s``), or Redis restarted and lost it. While the
+        stream is quiet, the job's row is read again (at once for a job that
+        had already ended when the reader came, then every
+        :data:`RECORD_CHECK_S`); a row that has ended gives the final event
+        (:func:`final_from_record`), so no reader waits for an event that
+        will never come.
+
+        Events come as the log holds them, internals included; what a
+        client may see of them is the caller's to decide.
+        """
+        ended_before = JobStatus(job.status).final
+        if ended_before and self.events.last_seq(job.id) < 0:
+            yield final_from_record(job, after + 1)  # its stream expired (or was lost)
+            return
+        with self.relay.subscribe(job.id) as sub:
+            if watch is not None:
+                watch.add(sub)
+            try:
+                last = after
+                now = time.monotonic()
+                next_check = now if ended_before else now + RECORD_CHECK_S
+                while True:
+                    for event in sub.events(last, idle_timeout=idle_s):
+                        if watch is not None and sub.lagging:
+                            raise ReaderLagging("the subscription is lagging")
+                        last = event.seq
+                        if event.final:
+                            # The row changed: the next stream to open reads it again.
+                            self.rows.forget(job_row_key(job.id))
+                        yield event
+                        if event.final:
+                            return
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + RECORD_CHECK_S
+                        try:
+                            ended = self._ended_by_record(job.id, last)
+                        except SQLAlchemyError as exc:
+                            # A safety net, not the stream: a busy or absent database
+                            # skips this check (retried next time) instead of closing
+                            # a stream that works (10,000 openings once emptied the pool).
+                            log.info(
+                                "record check of job %s skipped: %s", job.id, type(exc).__name__
+                            )
+                            ended = None
+                        if ended is not None:
+                            yield from ended
+                            return
+                    self.expire_if_due(job)
+                    yield None
+            finally:
+                if watch is not None:
+                    watch.discard(sub)
+
+    def _ended_by_record(self, job_id: str, last: int) -> list[JobEvent] | None:
+        """How a stream that has reached ``last`` ends, if ``job_id`` has ended in the
+        database: the stream's own events after ``last`` up to its final one, or,
+        when the stream holds no final event, those followed by the row's. None
+        while the row has not ended.
+
+        The row can end before this reader has taken the job's last events (a
+        busy process relays them late): they are read from the stream, never
+        skipped. A row that has not ended is read at most once per
+        :data:`RECORD_CHECK_S` per job in this process, however many streams
+        follow the job; an ended one is never taken from that cache.
+        """
+        job = self.job_row(job_id)
+        if job is None or not JobStatus(job.status).final:
+            return None
+        rest: list[JobEvent] = []
+        for event in self.events.history(job_id, after=last):
+            rest.append(event)
+            if event.final:
+                return rest
+        seq = max(last, self.events.last_seq(job_id), *(e.seq for e in rest)) + 1
+        log.info("job %s ended but its stream holds no final event; answered from its row", job_id)
+        return [*rest, final_from_record(job, seq)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,12 +18,13 @@ from jobs.errors import (
     JobRefused,
     OverLimit,
     QueueDown,
+    ReaderLagging,
     TokenRequired,
     UnknownModel,
     Unservable,
 )
 from jobs.events import JobEvent
-from jobs.service import JobService, JobSpec, final_from_record, request_hash
+from jobs.service import JobService, JobSpec, final_from_record, job_row_key, request_hash
 
 
 class FakeJobs:
@@ -75,6 +77,51 @@ class FakeEvents:
 
     def request_cancel(self, job_id: str) -> None:
         self.cancel_requests.append(job_id)
+
+    def last_seq(self, job_id: str) -> int:
+        return len(self.log.get(job_id, [])) - 1
+
+    def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
+        return [e for e in self.log.get(job_id, []) if e.seq > after]
+
+
+class FakeSubscription:
+    """Live events in batches: each call of :meth:`events` gives the next batch
+    (then the stream is idle); none left: idle for good."""
+
+    def __init__(self, *batches: list[JobEvent]) -> None:
+        self.batches = list(batches)
+        self.lagging = False
+        self.closed = False
+
+    def events(self, after: int = -1, *, idle_timeout: float | None = None) -> Iterator[JobEvent]:
+        batch = self.batches.pop(0) if self.batches else []
+        yield from (e for e in batch if e.seq > after)
+
+    def __enter__(self) -> FakeSubscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+
+class FakeRelay:
+    def __init__(self) -> None:
+        self.sub = FakeSubscription()
+
+    def subscribe(self, job_id: str) -> FakeSubscription:
+        return self.sub
+
+
+class FakeWatch:
+    def __init__(self) -> None:
+        self.subs: set[Any] = set()
+
+    def add(self, sub: Any) -> None:
+        self.subs.add(sub)
+
+    def discard(self, sub: Any) -> None:
+        self.subs.discard(sub)
 
 
 class FakePipeline:
@@ -156,6 +203,7 @@ def service(
         db=None,  # type: ignore[arg-type]
         rows=rows,
         fleet=FakeFleet(),
+        relay=FakeRelay(),
     )
     return svc, store, events, client
 
@@ -286,3 +334,70 @@ def test_a_queue_that_is_down_keeps_nothing_and_refunds_the_limits() -> None:
         svc.submit(JobSpec("m", prompt="hi"), None, **ANON)
     assert store.rows == {}
     assert ("zrem", "farm-a:limit:jobs:anon") in client.pipe.calls
+
+
+def ev(seq: int, kind: str, **fields: Any) -> JobEvent:
+    return JobEvent(seq=seq, type=kind, fields=fields)
+
+
+def relay_of(svc: JobService) -> FakeRelay:
+    relay: FakeRelay = svc.relay  # type: ignore[assignment]
+    return relay
+
+
+def test_follow_gives_the_events_after_a_seq_and_ends_after_the_final_one() -> None:
+    svc, store, _, _ = service(job())
+    relay_of(svc).sub = FakeSubscription(
+        [ev(0, "queued"), ev(1, "started")], [ev(2, "token", text="hi"), ev(3, "done")]
+    )
+    svc.rows.put(job_row_key("j1"), store.rows["j1"])
+    seen = list(svc.follow(store.rows["j1"], 0, idle_s=0.01))
+    # An idle pause between the batches is a None (the caller's keep-alive).
+    assert [e if e is None else (e.seq, e.type) for e in seen] == [
+        (1, "started"),
+        None,
+        (2, "token"),
+        (3, "done"),
+    ]
+    assert svc.rows.peek(job_row_key("j1"), 60) is None  # the row changed: read it again
+    assert relay_of(svc).sub.closed
+
+
+def test_a_job_that_ended_before_its_stream_was_read_ends_from_its_row() -> None:
+    ended = job("succeeded", output_text="hi", completion_tokens=1)
+    svc, _, events, _ = service(ended)
+    # The stream expired: the row alone answers.
+    [done] = list(svc.follow(ended, 4, idle_s=0.01))
+    assert (done.seq, done.type, done.fields["from_record"]) == (5, "done", True)
+    # The stream lost its final event (a Redis restart): its events, then the row's.
+    events.log["j1"] = [ev(0, "queued"), ev(1, "token", text="hi")]
+    seen = list(svc.follow(ended, -1, idle_s=0.01))
+    assert [(e.seq, e.type) for e in seen if e is not None] == [
+        (0, "queued"),
+        (1, "token"),
+        (2, "done"),
+    ]
+
+
+def test_a_quiet_queued_job_past_its_deadline_expires_while_followed() -> None:
+    late = job(deadline_at=utcnow() - timedelta(seconds=1))
+    svc, store, events, _ = service(late)
+    follow = svc.follow(late, idle_s=0.01)
+    assert next(follow) is None
+    assert store.rows["j1"].status == "failed" and events.log["j1"][-1].type == "error"
+    follow.close()
+    assert relay_of(svc).sub.closed
+
+
+def test_a_lagging_reader_is_told_and_leaves_its_watch() -> None:
+    svc, store, _, _ = service(job())
+    relay_of(svc).sub = FakeSubscription([ev(0, "queued")])
+    relay_of(svc).sub.lagging = True
+    watch = FakeWatch()
+    with pytest.raises(ReaderLagging):
+        list(svc.follow(store.rows["j1"], idle_s=0.01, watch=watch))
+    assert watch.subs == set()
+    # Without a watch (SSE), nobody asks: the reader catches up from the history.
+    relay_of(svc).sub = FakeSubscription([ev(0, "queued"), ev(1, "done")])
+    relay_of(svc).sub.lagging = True
+    assert [e.type for e in svc.follow(store.rows["j1"], idle_s=0.01) if e] == ["queued", "done"]
