@@ -28,7 +28,6 @@ import logging
 import time
 import uuid
 from collections.abc import Generator, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, Protocol, cast
@@ -86,7 +85,7 @@ class Subscription(Protocol):
 class Relay(Protocol):
     """The process's live events of jobs (:class:`api.streams.RelayHub`)."""
 
-    def subscribe(self, job_id: str) -> AbstractContextManager[Subscription]:
+    def subscribe(self, job_id: str) -> contextlib.AbstractContextManager[Subscription]:
         """A subscription to ``job_id``'s events, ended when its context exits."""
 
 
