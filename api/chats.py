@@ -26,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.auth import require_principal
 from api.disclosure import public_error
 from api.errors import NotFound, ValidationFailed
-from api.jobs import served_model
 from api.openapi import spec
 from api.schemas import GenerationParams, json_body, parse
 from api.services import services
@@ -124,7 +123,8 @@ def _changes(fields: ChatFields) -> dict[str, Any]:
         changes[name] = value
     model = changes.get("model")
     if model is not None:
-        served_model(model)  # the job path's check: the YAML with run-time overrides
+        # The job path's check: the YAML with run-time overrides.
+        services().job_service.served_model(model)
     return changes
 
 

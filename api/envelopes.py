@@ -14,7 +14,8 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from api.errors import ApiError, Unavailable
+from api.errors import ApiError, Unavailable, refusal_error
+from jobs.errors import JobRefused
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ def as_api_error(error: Exception) -> ApiError:
     """Any exception as the :class:`ApiError` a client should see."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, JobRefused):
+        return refusal_error(error)
     if isinstance(error, HTTPException):
         kind = (error.name or "error").lower().replace(" ", "_")
         api_error = ApiError(error.description or error.name or "error")

@@ -2,15 +2,28 @@
 
 Bodies are ``{"error": <message>, "error_type": <kind>}`` (plus ``field`` when
 one input field is to blame); no route ever answers HTML or a stack trace.
+The job service's refusals (:mod:`jobs.errors`, which know no HTTP) get their
+status code here too (:func:`refusal_error`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
+
+from jobs.errors import (
+    InvalidRequest,
+    JobRefused,
+    OverLimit,
+    QueueDown,
+    TokenRequired,
+    UnknownModel,
+    Unservable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +87,36 @@ class ValidationFailed(ApiError):
     error_type = "validation_error"
 
 
+class RateLimited(ApiError):
+    """429: a limit is full; ``Retry-After`` says when to try again, in seconds."""
+
+    status = 429
+    error_type = "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+        super().__init__(message, headers={"Retry-After": str(self.retry_after_s)})
+
+
 class Unavailable(ApiError):
     status = 503
     error_type = "unavailable"
+
+
+def refusal_error(refused: JobRefused) -> ApiError:
+    """The answer to a refusal of the job service (:mod:`jobs.errors`): the one place
+    that gives each its status code."""
+    if isinstance(refused, UnknownModel):
+        return NotFound(refused.message, field=refused.field)
+    if isinstance(refused, TokenRequired):
+        return Unauthorized(refused.message)
+    if isinstance(refused, InvalidRequest):
+        return ValidationFailed(refused.message, field=refused.field)
+    if isinstance(refused, OverLimit):
+        return RateLimited(refused.message, refused.retry_after_s)
+    if isinstance(refused, (Unservable, QueueDown)):
+        return Unavailable(refused.message, field=refused.field)
+    return ApiError(refused.message, field=refused.field)  # pragma: no cover - a new kind
 
 
 def error_response(error: ApiError) -> Response:
@@ -93,6 +133,10 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(error: ApiError) -> Response:
         return error_response(error)
+
+    @app.errorhandler(JobRefused)
+    def _refused(error: JobRefused) -> Response:
+        return error_response(refusal_error(error))
 
     @app.errorhandler(HTTPException)
     def _http_error(error: HTTPException) -> Response:

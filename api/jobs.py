@@ -1,30 +1,24 @@
 """The job resource: submit, list, read, cancel, and stream (websocket and SSE).
 
-:func:`submit_job` is the one submission path of every front door (native,
-OpenAI, TGI, the multiplexed websocket): model and auth checks, limits,
-idempotency, deadline, then the row, the ``queued`` event and the Celery
-message (:class:`jobs.service.JobService`, which also cancels and expires
-jobs). :func:`follow_job` is the shared reading half.
+:func:`submit_job` is every front door's way into
+:meth:`jobs.service.JobService.submit` (native, OpenAI, TGI, the multiplexed
+websocket): it hands the service what it reads from the request (client
+address, request id) and answers its refusals in HTTP. :func:`follow_job` is
+the shared reading half.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-import redis
 from flask import Blueprint, Response, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 from simple_websocket import ConnectionClosed
-from sqlalchemy.exc import SQLAlchemyError
 
 from api.auth import (
     CLOSE_TOKEN_INVALID,
@@ -42,10 +36,9 @@ from api.errors import (
     Forbidden,
     NotFound,
     Unauthorized,
-    Unavailable,
     ValidationFailed,
+    refusal_error,
 )
-from api.limits import Limiter, caller_for, check_capacity, check_queue
 from api.openapi import Header, spec
 from api.request_ids import request_id
 from api.schemas import JobRequest, json_body, parse
@@ -60,15 +53,12 @@ from api.streams import (
     sse_response,
 )
 from api.waiting import WaitingWatch
-from config import ModelDefinition
 from db.accounts import Principal
-from db.jobs import EXPIRED, DuplicateIdempotencyKey
-from db.overrides import CACHE_MAX_AGE_S, ModelOverrides, Override, apply, cache_key
-from db.schema import Job, JobStatus, utcnow
-from fleet.scaler_state import wake_if_idle
+from db.jobs import EXPIRED
+from db.schema import Job
+from jobs.errors import JobRefused, ReaderLagging
 from jobs.events import JobEvent
-from jobs.joblog import log_job_event
-from jobs.service import final_from_record
+from jobs.service import JobSpec, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -126,34 +116,6 @@ def stream_urls(job_id: str) -> dict[str, str]:
     return {"ws": f"/v1/jobs/{job_id}/ws", "events": f"/v1/jobs/{job_id}/events"}
 
 
-def served_model(name: str) -> ModelDefinition:
-    """The definition of a model served here, with run-time overrides; 404 otherwise."""
-    svc = services()
-    definition = svc.catalog.get(name)
-    if definition is not None:
-        override = svc.rows.get(
-            cache_key(name), CACHE_MAX_AGE_S, lambda: ModelOverrides(svc.db).get(name)
-        )
-        definition = apply(definition, cast(Override | None, override))
-    if definition is None or not definition.enabled:
-        raise NotFound(f"model {name!r} is not served here", field="model")
-    return definition
-
-
-def authorize_model(definition: ModelDefinition, principal: Principal | None) -> None:
-    """A private model needs a token (401 otherwise)."""
-    if principal is None and not definition.public:
-        raise Unauthorized(f"model {definition.name!r} needs an API token")
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """A job as submitted; ``replayed`` when an idempotency key found an earlier one."""
-
-    job: Job
-    replayed: bool = False
-
-
 def idempotency_key_header() -> str | None:
     """The request's ``Idempotency-Key``; 400 when it is not short printable ASCII."""
     key = request.headers.get("Idempotency-Key")
@@ -167,124 +129,40 @@ def idempotency_key_header() -> str | None:
     return key
 
 
-def request_hash(req: JobRequest) -> str:
-    """SHA-256 (hex) of what a job is made of: model, input, sampling params, deadline.
-
-    Two requests with the same hash make the same job, whichever front door
-    or JSON spelling they came with.
-    """
-    canonical = {
-        "model": req.model,
-        "messages": [m.model_dump() for m in req.messages] if req.messages is not None else None,
-        "prompt": req.prompt,
-        "params": req.params.given(),
-        "deadline_s": req.deadline_s,
-    }
-    raw = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
-def _replay(earlier: Job, digest: str) -> Submitted:
-    """The earlier job of an idempotency key; 422 when it was made for another request."""
-    if earlier.request_hash is not None and earlier.request_hash != digest:
-        raise ValidationFailed(
-            "Idempotency-Key: keys for idempotent requests can only be used with the same "
-            f"parameters; this key was first used for job {earlier.id} with different ones",
-            field="Idempotency-Key",
-        )
-    return Submitted(earlier, replayed=True)
-
-
-AWAKE_MAX_AGE_S = 1.0
-"""How often one process checks (and wakes) a model's scaler as jobs arrive."""
+def job_spec(req: JobRequest) -> JobSpec:
+    """What ``req`` makes a job of, as the job service takes it."""
+    return JobSpec(
+        model=req.model,
+        prompt=req.prompt,
+        messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
+        params=req.params.given(),
+        deadline_s=req.deadline_s,
+    )
 
 
 def submit_job(
     req: JobRequest, principal: Principal | None, *, idempotency_key: str | None = None
 ) -> Submitted:
-    """Record a job, log its ``queued`` event and put it on its model's queue.
+    """Submit ``req`` for this request's client (:meth:`jobs.service.JobService.submit`).
 
-    Shared by every front door; raises an :class:`ApiError` before anything is
-    stored or counted when the request cannot be served: 404 unknown or
-    disabled model, 401 private model without a token, 422 a parameter over
-    the model's limits, 503 a model that can never get a worker, 429 (with
-    Retry-After) a full queue or a caller over their limits. A refused request
-    is not counted against the caller's requests per minute. With
-    ``idempotency_key``, a job already submitted with that key by the same
-    caller is returned instead of a new one (before any limit is counted), or
-    422 when the key was first used for a different request.
+    The submission path of every front door: the client's address and the
+    request id come from the request, and a refusal is raised as the
+    :class:`ApiError` it is answered with (:func:`api.errors.refusal_error`):
+    404 unknown or disabled model, 401 private model without a token, 422 a
+    parameter over the model's limits or an idempotency key reused for another
+    request, 503 a model that can never get a worker or a queue that is down,
+    429 (with Retry-After) a full queue or a caller over their limits.
     """
-    svc = services()
-    definition = served_model(req.model)
-    authorize_model(definition, principal)
-    params = req.params.given()
-    max_new = params.get("max_new_tokens")
-    if max_new is not None and max_new > definition.limits.max_new_tokens:
-        raise ValidationFailed(
-            f"params.max_new_tokens: at most {definition.limits.max_new_tokens} for {req.model}",
-            field="params.max_new_tokens",
-        )
-    scoped_key = digest = None
-    if idempotency_key is not None:
-        # Per user; a caller without a token is scoped by its address, so one
-        # anonymous caller can never learn another's job id by guessing a key.
-        scope = str(principal.user_id) if principal is not None else f"anon@{client_address()}"
-        scoped_key = f"{scope}:{idempotency_key}"
-        digest = request_hash(req)
-        earlier = svc.jobs.by_idempotency_key(scoped_key)
-        if earlier is not None:
-            return _replay(earlier, digest)
-    check_capacity(definition, svc.redis, svc.db, svc.settings, svc.rows)
-    check_queue(definition, svc.jobs, svc.settings, svc.rows)
-    caller = caller_for(principal, client_address(), svc.settings)
-    limiter = Limiter(svc.redis, svc.settings)
-    job_id = str(uuid.uuid4())
-    admission = limiter.admit_job(caller, job_id, svc.jobs)
-    wait_s: float | None = svc.settings.queue_deadline_s or None
-    if req.deadline_s is not None:
-        wait_s = min(req.deadline_s, wait_s) if wait_s else req.deadline_s
     try:
-        job = svc.jobs.create(
-            job_id=job_id,
-            model=req.model,
-            user_id=principal.user_id if principal else None,
-            messages=[m.model_dump() for m in req.messages] if req.messages is not None else None,
-            prompt=req.prompt,
-            params=params,
-            deadline_at=utcnow() + timedelta(seconds=wait_s) if wait_s else None,
-            idempotency_key=scoped_key,
-            request_hash=digest,
+        return services().job_service.submit(
+            job_spec(req),
+            principal,
+            address=client_address(),
             request_id=request_id(),
+            idempotency_key=idempotency_key,
         )
-    except DuplicateIdempotencyKey:
-        # A concurrent twin of this request won the insert: answer with its job.
-        limiter.refund(admission)
-        earlier = svc.jobs.by_idempotency_key(scoped_key or "")
-        if earlier is None:  # pragma: no cover - the twin's row was deleted meanwhile
-            raise Unavailable("the job queue is unavailable; retry shortly") from None
-        return _replay(earlier, digest or "")
-    except BaseException:
-        with contextlib.suppress(Exception):
-            limiter.refund(admission)
-        raise
-    log_job_event("submitted", job)
-    try:
-        svc.job_service.enqueue(job)
-    except Exception as exc:  # broker or Redis down: nothing was accepted (row deleted)
-        # Redis may be what is down; the prune on the caller's next refusal frees
-        # the slot, and the window forgets the request within a minute.
-        with contextlib.suppress(Exception):
-            limiter.refund(admission)
-        if isinstance(exc, (redis.RedisError, OSError)):
-            raise Unavailable("the job queue is unavailable; retry shortly") from None
-        raise
-    # A model at zero starts a worker now: at most one check (and wake-up) per
-    # model a second per process; a lost wake-up only waits for the scaler's tick.
-    awake = f"awake:{req.model}"
-    if not svc.rows.peek(awake, AWAKE_MAX_AGE_S):
-        wake_if_idle(svc.redis, svc.settings, req.model)
-        svc.rows.put(awake, True)
-    return Submitted(job)
+    except JobRefused as exc:
+        raise refusal_error(exc) from None
 
 
 def visible_job(job_id: str, principal: Principal | None, *, shared: bool = False) -> Job:
@@ -295,12 +173,13 @@ def visible_job(job_id: str, principal: Principal | None, *, shared: bool = Fals
     capability URL (122 random bits, only ever given to its submitter).
 
     ``shared`` (a stream opening): an unfinished job's row may come from the
-    process's row cache (:func:`job_row`, dropped when a stream here sees the
-    job end): its owner never changes, and the stream itself says how the job
-    goes on. Ten thousand sockets following two hundred jobs then read two
-    hundred rows, not ten thousand.
+    process's row cache (:meth:`jobs.service.JobService.job_row`, dropped when
+    a stream here sees the job end): its owner never changes, and the stream
+    itself says how the job goes on. Ten thousand sockets following two
+    hundred jobs then read two hundred rows, not ten thousand.
     """
-    job = job_row(job_id) if shared else services().jobs.get(job_id)
+    svc = services()
+    job = svc.job_service.job_row(job_id) if shared else svc.jobs.get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}")
     if job.user_id is not None:
@@ -333,53 +212,6 @@ class JobFailed(ApiError):
             self.status, self.error_type = 500, "generation_error"
 
 
-# How often a quiet stream's job row is read again, in seconds, to notice a job
-# that ended without its final event reaching the stream (see follow_job).
-RECORD_CHECK_S = 10.0
-
-
-def job_row_key(job_id: str) -> str:
-    return f"job:{job_id}"
-
-
-def job_row(job_id: str) -> Job | None:
-    """``job_id``'s row, read at most every :data:`RECORD_CHECK_S` in this process
-    while the job has not ended (one read for all its streams, at a time)."""
-    svc = services()
-    found = svc.rows.get(
-        job_row_key(job_id),
-        RECORD_CHECK_S,
-        lambda: svc.jobs.get(job_id),
-        keep=lambda row: isinstance(row, Job) and not JobStatus(row.status).final,
-    )
-    return found if isinstance(found, Job) else None
-
-
-def _ended_by_record(job_id: str, last: int) -> list[JobEvent] | None:
-    """How a stream that has reached ``last`` ends, if ``job_id`` has ended in the
-    database: the stream's own events after ``last`` up to its final one, or,
-    when the stream holds no final event, those followed by the row's. None
-    while the row has not ended.
-
-    The row can end before this reader has taken the job's last events (a
-    busy process relays them late): they are read from the stream, never
-    skipped. A row that has not ended is read at most once per
-    :data:`RECORD_CHECK_S` per job in this process, however many streams
-    follow the job; an ended one is never taken from that cache.
-    """
-    job = job_row(job_id)
-    if job is None or not JobStatus(job.status).final:
-        return None
-    rest: list[JobEvent] = []
-    for event in services().events.history(job_id, after=last):
-        rest.append(event)
-        if event.final:
-            return rest
-    seq = max(last, services().events.last_seq(job_id), *(e.seq for e in rest)) + 1
-    log.info("job %s ended but its stream holds no final event; answered from its row", job_id)
-    return [*rest, final_from_record(job, seq)]
-
-
 def follow_job(
     job: Job,
     after: int = -1,
@@ -388,71 +220,20 @@ def follow_job(
     watch: LagWatch | None = None,
     full: bool = False,
 ) -> Generator[JobEvent | None, None, None]:
-    """Every event of ``job`` after seq ``after``, ending after the final one.
+    """Every event of ``job`` after seq ``after``, ending after the final one
+    (:meth:`jobs.service.JobService.follow`: keep-alive Nones, deadlines, the
+    row's final event when the stream lost it).
 
     Without ``full`` (operators' streams) events lose their internals: worker
     names and the text of errors not worded for clients (api/disclosure.py).
-
-    Yields None after each ``idle_s`` of silence, so a caller can send a
-    keep-alive (which is also how a vanished client is noticed); expires the
-    job when it is still queued past its deadline. With ``watch`` (a
-    websocket's), the subscription joins it and :class:`SlowClient` is raised
-    once its buffer overflowed: the socket's reader is too slow.
-
-    A job can end without its final event in the stream: the stream expired
-    (``stream_ttl_s``), or Redis restarted and lost it. While the stream is
-    quiet, the job's row is read again (at once for a job that had already
-    ended when the reader came, then every :data:`RECORD_CHECK_S`); a row that
-    has ended gives the final event (:func:`final_from_record`), so no reader
-    waits for an event that will never come.
+    With ``watch`` (a websocket's), :class:`SlowClient` is raised once the
+    subscription's buffer overflowed: the socket's reader is too slow.
     """
-    for event in _follow(job, after, idle_s=idle_s, watch=watch):
-        yield event if event is None else event_for(event, full)
-
-
-def _follow(
-    job: Job, after: int, *, idle_s: float, watch: LagWatch | None
-) -> Generator[JobEvent | None, None, None]:
-    ended_before = JobStatus(job.status).final
-    if ended_before and services().events.last_seq(job.id) < 0:
-        yield final_from_record(job, after + 1)  # its stream expired (or was lost)
-        return
-    with services().hub.subscribe(job.id) as sub:
-        if watch is not None:
-            watch.add(sub)
-        try:
-            last = after
-            now = time.monotonic()
-            next_check = now if ended_before else now + RECORD_CHECK_S
-            while True:
-                for event in sub.events(last, idle_timeout=idle_s):
-                    if watch is not None and sub.lagging:
-                        raise SlowClient("the subscription is lagging")
-                    last = event.seq
-                    if event.final:
-                        # The row changed: the next stream to open reads it again.
-                        services().rows.forget(job_row_key(job.id))
-                    yield event
-                    if event.final:
-                        return
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + RECORD_CHECK_S
-                    try:
-                        ended = _ended_by_record(job.id, last)
-                    except SQLAlchemyError as exc:
-                        # A safety net, not the stream: a busy or absent database
-                        # skips this check (retried next time) instead of closing
-                        # a stream that works (10,000 openings once emptied the pool).
-                        log.info("record check of job %s skipped: %s", job.id, type(exc).__name__)
-                        ended = None
-                    if ended is not None:
-                        yield from ended
-                        return
-                services().job_service.expire_if_due(job)
-                yield None
-        finally:
-            if watch is not None:
-                watch.discard(sub)
+    try:
+        for event in services().job_service.follow(job, after, idle_s=idle_s, watch=watch):
+            yield event if event is None else event_for(event, full)
+    except ReaderLagging:
+        raise SlowClient("the subscription is lagging") from None
 
 
 def restart_error(fields: dict[str, Any]) -> str:

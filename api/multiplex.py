@@ -67,9 +67,8 @@ from api.auth import (
     presented_token,
 )
 from api.disclosure import sees_internals
-from api.errors import ApiError, BadRequest, NotFound, ValidationFailed
+from api.errors import ApiError, BadRequest, NotFound, RateLimited, ValidationFailed
 from api.jobs import follow_job, refuse_socket, submit_job
-from api.limits import RateLimited
 from api.openapi import spec
 from api.request_ids import accepted, request_id, request_id_as
 from api.schemas import JobRequest, field_name, reject_nul

@@ -36,7 +36,6 @@ from api.auth import optional_principal
 from api.errors import ValidationFailed
 from api.jobs import (
     IDEMPOTENCY_HEADER,
-    Submitted,
     final_event,
     follow_job,
     idempotency_key_header,
@@ -58,6 +57,7 @@ from api.streams import sse_response
 from config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, OPENAI_MAX_TEMPERATURE
 from db.schema import Job
 from jobs.events import usage_of
+from jobs.service import Submitted
 
 bp = Blueprint("openai", __name__)
 envelopes.register(bp, envelopes.openai_body)

@@ -21,6 +21,7 @@ from db.accounts import Accounts
 from db.jobs import JobStore
 from db.lookups import RowCache
 from db.session import Database
+from fleet.capacity import SubmissionFleet
 from jobs.events import EventLog
 from jobs.service import JobService
 
@@ -51,7 +52,17 @@ class Services:
     job_service: JobService = field(init=False)
 
     def __post_init__(self) -> None:
-        self.job_service = JobService(self.settings, self.jobs, self.events, self.redis)
+        self.job_service = JobService(
+            self.settings,
+            self.jobs,
+            self.events,
+            self.redis,
+            catalog=self.catalog,
+            db=self.db,
+            rows=self.rows,
+            fleet=SubmissionFleet(self.redis, self.db, self.settings, self.rows),
+            relay=self.hub,
+        )
 
     def start_background(self) -> None:
         """Start the process's loops: gunicorn's ``post_worker_init`` calls this.

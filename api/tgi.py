@@ -39,12 +39,10 @@ from api.errors import NotFound, ValidationFailed
 from api.jobs import (
     IDEMPOTENCY_HEADER,
     JobFailed,
-    authorize_model,
     final_event,
     follow_job,
     idempotency_key_header,
     restart_error,
-    served_model,
     submit_job,
 )
 from api.openapi import Header, spec
@@ -209,7 +207,7 @@ def _token_details(job: Job, body: GenerateRequest) -> dict[str, Any]:
     output = StreamedOutput.of(history)
     ids = list(output.ids) if output.whole else []
     try:
-        tokenizer: Any = tokenizers().get(served_model(job.model))
+        tokenizer: Any = tokenizers().get(services().job_service.served_model(job.model))
     except TokenizerMissing:
         tokenizer = None
 
@@ -345,8 +343,9 @@ def compat_generate() -> Response:
 @bp.get("/info")
 @spec("TGI model info", tags=("tgi",), headers=(MODEL_HEADER,))
 def info() -> Response:
-    definition = served_model(_model_name())
-    authorize_model(definition, optional_principal())
+    job_service = services().job_service
+    definition = job_service.served_model(_model_name())
+    job_service.authorize_model(definition, optional_principal())
     limits = definition.limits
     return jsonify(
         {

@@ -32,7 +32,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import optional_principal
 from api.errors import Unavailable, ValidationFailed
-from api.jobs import authorize_model, served_model
 from api.limits import count_lookup
 from api.openapi import spec
 from api.schemas import Message, json_body, parse
@@ -227,8 +226,9 @@ def tokenize() -> Response:
     principal = optional_principal()
     count_lookup(principal)
     req = parse(TokenizeRequest, json_body())
-    definition = served_model(req.model)
-    authorize_model(definition, principal)
+    job_service = services().job_service
+    definition = job_service.served_model(req.model)
+    job_service.authorize_model(definition, principal)
     tokenizer = tokenizers().get(definition)
     if req.messages is not None:
         ids = tokenizer.encode_chat([m.model_dump() for m in req.messages])

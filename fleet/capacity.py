@@ -1,5 +1,9 @@
 """The farm's capacity per model: desired, ready and starting replicas, queue depth, running jobs.
 
+And the fleet as a submission sees it (:class:`SubmissionFleet`): can a worker
+of the model ever come (:func:`check_capacity`), and a wake-up for a model at
+zero.
+
 Read from where each fact lives: the job table (queued, running), the worker
 heartbeats (only a live ``ready`` worker is capacity), and the scaler's
 published decisions (``<prefix>:scaling:desired``, written by
@@ -14,10 +18,16 @@ from collections import Counter
 from dataclasses import dataclass
 
 import redis
+from sqlalchemy.exc import SQLAlchemyError
 
-from config import Catalog, Settings
+from config import Catalog, ModelDefinition, Settings
 from db.jobs import JobStore
+from db.lookups import RowCache
+from db.schema import ScalingOverride
+from db.session import Database
 from fleet.registry import RegisteredWorker, list_workers
+from fleet.scaler_state import wake_if_idle
+from jobs.errors import Unservable
 
 
 @dataclass(frozen=True)
@@ -97,3 +107,76 @@ def fleet(
             )
         )
     return lines
+
+
+def _max_replicas(definition: ModelDefinition, db: Database) -> int:
+    """The model's maximum replicas, with a run-time scaling override if one is set."""
+    try:
+        with db.session() as s:
+            override = s.get(ScalingOverride, definition.name)
+            if override is not None and override.max_replicas is not None:
+                return int(override.max_replicas)
+    except SQLAlchemyError:
+        # Scaling overrides are another feature's table; without it the YAML decides.
+        pass
+    return definition.scaling.max_replicas
+
+
+LIVE_WORKER_MAX_AGE_S = 1.0
+"""How long a process trusts that a model had a live worker, before reading the registry again."""
+
+
+def check_capacity(
+    definition: ModelDefinition,
+    client: redis.Redis,
+    db: Database,
+    settings: Settings,
+    rows: RowCache,
+) -> None:
+    """:class:`jobs.errors.Unservable` when no worker of ``definition`` can ever come.
+
+    That is: no live worker and scaling allows none, or every registered worker
+    failed. A model merely at zero replicas, or starting, passes: its queue
+    holds the job until a worker is up. A model seen with a live worker under
+    :data:`LIVE_WORKER_MAX_AGE_S` ago passes without reading the registry (a
+    job sent as its last worker dies waits for the next, as any queued job does).
+    """
+    key = f"live:{definition.name}"
+    if rows.peek(key, LIVE_WORKER_MAX_AGE_S):
+        return
+    # A report from another version of the worker may lack a field: it reads as its
+    # default (WorkerReport.parse), so it cannot turn a submission into a 500.
+    workers = [w for w in list_workers(client, settings) if w.model == definition.name]
+    live = [w for w in workers if not w.lost and w.state in ("starting", "ready")]
+    if live:
+        rows.put(key, True)
+        return
+    if _max_replicas(definition, db) == 0:
+        raise Unservable(
+            f"model {definition.name!r} has no workers and its scaling allows none "
+            "(max_replicas is 0); ask an operator to raise it"
+        )
+    if workers and all(w.state == "failed" for w in workers):
+        reason = next((w.error for w in workers if w.error), None)
+        detail = f": {reason}" if reason else ""
+        raise Unservable(
+            f"every worker of model {definition.name!r} failed to start{detail}",
+        )
+
+
+class SubmissionFleet:
+    """The fleet as :meth:`jobs.service.JobService.submit` asks it (:class:`jobs.service.Fleet`)."""
+
+    def __init__(
+        self, client: redis.Redis, db: Database, settings: Settings, rows: RowCache
+    ) -> None:
+        self.redis = client
+        self.db = db
+        self.settings = settings
+        self.rows = rows
+
+    def check_capacity(self, definition: ModelDefinition) -> None:
+        check_capacity(definition, self.redis, self.db, self.settings, self.rows)
+
+    def wake_if_idle(self, model: str) -> None:
+        wake_if_idle(self.redis, self.settings, model)

@@ -64,7 +64,11 @@ class WorkerReport:
         data = json.loads(raw)
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {
-            "id": worker_id, "model": "", "host": "", "pid": 0, "started_at": 0.0
+            "id": worker_id,
+            "model": "",
+            "host": "",
+            "pid": 0,
+            "started_at": 0.0,
         }
         values.update((k, v) for k, v in data.items() if k in known)
         values.update(extra)
@@ -239,9 +243,7 @@ def live_reports(
     if not ids:
         return {}
     values = client.mget([worker_key(settings, i) for i in ids])
-    return {
-        i: WorkerReport.parse(v, i) for i, v in zip(ids, values, strict=True) if v is not None
-    }
+    return {i: WorkerReport.parse(v, i) for i, v in zip(ids, values, strict=True) if v is not None}
 
 
 def last_beats(client: redis.Redis, settings: Settings) -> dict[str, float]:

@@ -192,12 +192,7 @@ def wait_ready(settings: Settings, model: str, proc: Process, timeout: float = 2
         if not proc.alive():
             raise AssertionError(f"worker exited early:\n{proc.log()[-4000:]}")
         for w in list_workers(client, settings):
-            if (
-                w.model == model
-                and w.pid == proc.proc.pid
-                and w.state == "ready"
-                and not w.lost
-            ):
+            if w.model == model and w.pid == proc.proc.pid and w.state == "ready" and not w.lost:
                 return w.id
         time.sleep(0.2)
     raise AssertionError(f"worker not ready in {timeout} s:\n{proc.log()[-4000:]}")

@@ -22,9 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = (
-    "api", "cli", "tasks", "jobs", "workers", "fleet", "models", "db", "config", "client"
-)
+PACKAGES = ("api", "cli", "tasks", "jobs", "workers", "fleet", "models", "db", "config", "client")
 MAY_IMPORT = {
     "api": frozenset({"api", "jobs", "fleet", "db", "config"}),
     "fleet": frozenset({"fleet", "jobs", "db", "config"}),

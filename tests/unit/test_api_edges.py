@@ -10,8 +10,18 @@ import pytest
 from flask.testing import FlaskClient
 
 from api import create_app
+from api.errors import refusal_error
 from config import load_settings
 from config.settings import PROJECT_ROOT
+from jobs.errors import (
+    InvalidRequest,
+    JobRefused,
+    OverLimit,
+    QueueDown,
+    TokenRequired,
+    UnknownModel,
+    Unservable,
+)
 
 
 @pytest.fixture()
@@ -90,3 +100,24 @@ def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
 def test_api_never_imports_torch() -> None:
     code = "import sys, api; api.create_app(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PROJECT_ROOT)
+
+
+@pytest.mark.parametrize(
+    ("refused", "status", "body", "headers"),
+    [
+        (UnknownModel("no m", field="model"), 404, ("not_found", "model"), set()),
+        (TokenRequired("token"), 401, ("unauthorized", None), {"WWW-Authenticate"}),
+        (InvalidRequest("over", field="params.x"), 422, ("validation_error", "params.x"), set()),
+        (OverLimit("full", 1.2), 429, ("rate_limited", None), {"Retry-After"}),
+        (Unservable("none can come"), 503, ("unavailable", None), set()),
+        (QueueDown("down"), 503, ("unavailable", None), set()),
+    ],
+)
+def test_each_refusal_of_the_job_service_has_its_answer(
+    refused: JobRefused, status: int, body: tuple[str, str | None], headers: set[str]
+) -> None:
+    error = refusal_error(refused)
+    assert (error.status, error.error_type, error.field) == (status, *body)
+    assert error.message == refused.message and set(error.headers) == headers
+    if isinstance(refused, OverLimit):
+        assert error.headers["Retry-After"] == "2"  # whole seconds, rounded up

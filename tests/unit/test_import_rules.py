@@ -34,9 +34,14 @@ def test_an_api_module_importing_celery_code_or_the_engine_is_a_breach() -> None
 
 
 def test_the_neutral_packages_import_neither_side() -> None:
-    graph = {"jobs.a": {"fleet.b", "tasks.celery"}, "fleet.b": {"jobs.a", "workers.c"}}
+    graph = {
+        "jobs.a": {"fleet.b", "tasks.celery", "api.errors"},
+        "fleet.b": {"jobs.a", "workers.c", "api.jobs"},
+    }
     assert import_rules.forbidden_imports(graph) == [
+        "fleet.b imports api.jobs",
         "fleet.b imports workers.c",
+        "jobs.a imports api.errors",
         "jobs.a imports fleet.b",
         "jobs.a imports tasks.celery",
     ]
