@@ -495,10 +495,45 @@ int sy_panels(void) { return SY_PANELS; }
  * unused for Q8_0); n a multiple of 16. Returns 0, -1 if out of memory, -2 where the
  * library was built without AVX2 or AVX512-VNNI.
  */
+#if SY_PANELS
+/*
+ * sy_pgemm's work, by the calling thread's team (the caller is inside a
+ * parallel region): x quantized into xq (each thread's own copy of every row
+ * when private, else one copy shared out), then the panels shared out. Every
+ * thread of the team must call it; it returns after the products' barrier.
+ */
+static void pgemm_team(int kind, const float *x, int rows, int k, const uint8_t *codes,
+                       const uint16_t *d, const uint16_t *m, int n, float *y, block_q16 *xq,
+                       int private) {
+    const int blocks = k / QK, pairs = (n / 16 + 1) / 2;
+    if (private) {
+        for (int r = 0; r < rows; r++)
+            quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+    } else {
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+    }
+    /* Handed out one pair of panels at a time: when the OS takes a core from
+       one thread (a worker shares the machine with the API, Redis and other
+       processes), the other takes over its share rather than the step waiting
+       for it at the end. */
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < pairs; t++) {
+        const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
+        for (int r0 = 0; r0 < rows; r0 += PR) {
+            const int nr = rows - r0 < PR ? rows - r0 : PR;
+            panel_any(kind, xq + (size_t)r0 * blocks, blocks, codes, d, m, g, g2, nr,
+                      y + (size_t)r0 * n, n);
+        }
+    }
+}
+#endif
+
 int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, const uint16_t *d,
              const uint16_t *m, int n, float *y) {
 #if SY_PANELS
-    const int blocks = k / QK, pairs = (n / 16 + 1) / 2;
+    const int blocks = k / QK;
     /* Up to PRIVATE_ROWS rows (a decoding step), every thread quantizes them all for
        itself: a few microseconds, and no barrier between quantizing and the
        products, where a step waits longest when the OS has taken a core from one
@@ -510,31 +545,8 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
     block_q16 *buffer = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows * (size_t)copies);
     if (!buffer) return -1;
 #pragma omp parallel if (!alone)
-    {
-        block_q16 *xq = buffer;
-        if (private) {
-            xq += (size_t)omp_get_thread_num() * blocks * rows;
-            for (int r = 0; r < rows; r++)
-                quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
-        } else {
-#pragma omp for schedule(static)
-            for (int r = 0; r < rows; r++)
-                quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
-        }
-        /* Handed out one pair of panels at a time: when the OS takes a core
-           from one thread (a worker shares the machine with the API, Redis and
-           other processes), the other takes over its share rather than the
-           step waiting for it at the end. */
-#pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < pairs; t++) {
-            const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
-            for (int r0 = 0; r0 < rows; r0 += PR) {
-                const int nr = rows - r0 < PR ? rows - r0 : PR;
-                panel_any(kind, xq + (size_t)r0 * blocks, blocks, codes, d, m, g, g2, nr,
-                          y + (size_t)r0 * n, n);
-            }
-        }
-    }
+    pgemm_team(kind, x, rows, k, codes, d, m, n, y,
+               buffer + (private ? (size_t)omp_get_thread_num() * blocks * rows : 0), private);
     free(buffer);
     return 0;
 #else
@@ -853,6 +865,15 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
 }
 #endif
 
+/* nq queries over the same keys and values (attend_rows, or attend_one for one). */
+static int attend_queries(const float *const *qs, const int *ns, float *const *os, int nq,
+                          const float *keys, const float *values, int hd, float scale) {
+#if SY_AVX2
+    if (nq > 1) return attend_rows(qs, ns, os, nq, keys, values, hd, scale);
+#endif
+    return attend_one(qs[0], keys, values, ns[0], hd, scale, os[0]);
+}
+
 int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int kv_heads, int hd,
                         const float *kv, int length, const int64_t *slots,
                         const int64_t *lengths, float scale, float *out) {
@@ -889,14 +910,7 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
                 ns[nq] = (int)lengths[r0 + i];
             }
         }
-        int status;
-#if SY_AVX2
-        if (nq > 1)
-            status = attend_rows(qs, ns, os, nq, keys, values, hd, scale);
-        else
-#endif
-            status = attend_one(qs[0], keys, values, ns[0], hd, scale, os[0]);
-        if (status) failed = 1;
+        if (attend_queries(qs, ns, os, nq, keys, values, hd, scale)) failed = 1;
     }
     free(starts);
     return failed ? -1 : 0;
@@ -911,6 +925,15 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
  * sin). Then the keys and values of row r go to position positions[r] of
  * slot slots[r] of kv ([slots, 2 * kv_heads, length, hd]).
  */
+/* One head's rotary embedding, in place: each pair turned by f's (cos, sin). */
+static inline void rope_head(float *x, const float *f, int half) {
+    for (int i = 0; i < half; i++) {
+        const float a = x[2 * i], b = x[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
 void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads, int hd,
                    const int64_t *positions, const int64_t *slots, const float *freqs,
                    float *kv, int length) {
@@ -919,14 +942,7 @@ void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (size_t)r * row_stride;
         const float *f = freqs + (size_t)positions[r] * hd;
-        for (int h = 0; h < rotated; h++) {
-            float *x = row + (size_t)h * hd;
-            for (int i = 0; i < half; i++) {
-                const float a = x[2 * i], b = x[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
-                x[2 * i] = a * c - b * s;
-                x[2 * i + 1] = a * s + b * c;
-            }
-        }
+        for (int h = 0; h < rotated; h++) rope_head(row + (size_t)h * hd, f, half);
         float *slot = kv + (size_t)slots[r] * 2 * kv_heads * length * hd;
         for (int h = 0; h < 2 * kv_heads; h++) {
             memcpy(slot + ((size_t)h * length + (size_t)positions[r]) * hd,
@@ -991,6 +1007,101 @@ static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float 
     return status;
 }
 
+#if SY_PANELS
+/*
+ * layers_of_rows for a few decoding rows (each in a slot of its own, at most
+ * PRIVATE_ROWS), in one parallel region for the whole step instead of one per
+ * product and attention: about 150 regions a step, each a start and an end
+ * where a thread waits for the other, become 5 barriers a layer. Each thread
+ * keeps its own copy of the residual stream and does the norms and the SiLU
+ * on all rows itself (a few KiB: less than a barrier costs); the products
+ * and attention are shared out. A row's rotary embedding and cache write are
+ * done by the task that attends with its group of heads, which no other task
+ * reads (a slot of its own). The operations on every value are those of
+ * layers_of_rows, in the same order: the same bits.
+ */
+static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
+                          int hidden, int heads, int kv_heads, int hd, int inter,
+                          const int64_t *positions, const int64_t *slots, const int64_t *lengths,
+                          const float *freqs, int length, float scale, int threads) {
+    const int width = (heads + 2 * kv_heads) * hd, group = heads / kv_heads, half = hd / 2;
+    const int per = SY_AVX2 && hd % 64 == 0 ? group : 1; /* queries attended together */
+    const size_t head_size = (size_t)length * hd, slot_size = 2 * (size_t)kv_heads * head_size;
+    int widest = hidden > heads * hd ? hidden : heads * hd;
+    widest = widest > inter ? widest : inter;
+    const size_t xq_size = (size_t)(widest / QK) * rows;
+    const size_t own = (size_t)rows * (2 * (size_t)hidden + inter); /* stream, norm, SiLU */
+    float *qkv = malloc(sizeof(float) * (size_t)rows * (width + heads * hd + hidden + 2 * inter));
+    float *privates = malloc(sizeof(float) * own * threads);
+    block_q16 *xqs = malloc(sizeof(block_q16) * xq_size * threads);
+    if (!qkv || !privates || !xqs) {
+        free(qkv), free(privates), free(xqs);
+        return -1;
+    }
+    float *attn = qkv + (size_t)rows * width, *out = attn + (size_t)rows * heads * hd;
+    float *gate_up = out + (size_t)rows * hidden;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num();
+        float *xr = privates + own * t, *h = xr + (size_t)rows * hidden;
+        float *act = h + (size_t)rows * hidden;
+        block_q16 *xq = xqs + xq_size * t;
+        memcpy(xr, x, sizeof(float) * (size_t)rows * hidden);
+        for (int l = 0; l < n_layers; l++) {
+            const sy_layer *L = layers + l;
+            const sy_matrix *w = &L->qkv;
+            sy_add_rms_norm(xr, l ? delta : NULL, rows, hidden, L->norm1, L->eps1, h);
+            pgemm_team(w->kind, h, rows, w->k, w->codes, w->d, w->m, w->n, qkv, xq, 1);
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < rows * kv_heads; task++) {
+                const int r = task / kv_heads, g = task % kv_heads;
+                float *row = qkv + (size_t)r * width;
+                const float *f = freqs + (size_t)positions[r] * hd;
+                const int heads_of[3] = {g * group, heads + g, heads + kv_heads + g};
+                const int count_of[3] = {group, 1, 1}; /* queries, key, value */
+                for (int part = 0; part < 3 && L->qkv_bias; part++)
+                    for (int i = heads_of[part] * hd; i < (heads_of[part] + count_of[part]) * hd; i++)
+                        row[i] += L->qkv_bias[i];
+                for (int part = 0; part < 2; part++)
+                    for (int j = 0; j < count_of[part]; j++)
+                        rope_head(row + (size_t)(heads_of[part] + j) * hd, f, half);
+                float *keys = L->kv + (size_t)slots[r] * slot_size + (size_t)g * head_size;
+                float *values = keys + (size_t)kv_heads * head_size;
+                memcpy(keys + (size_t)positions[r] * hd, row + (size_t)(heads + g) * hd,
+                       sizeof(float) * (size_t)hd);
+                memcpy(values + (size_t)positions[r] * hd,
+                       row + (size_t)(heads + kv_heads + g) * hd, sizeof(float) * (size_t)hd);
+                const float *qs[ATT_GROUP];
+                float *os[ATT_GROUP];
+                int ns[ATT_GROUP];
+                for (int j = 0; j < group; j++) {
+                    qs[j] = row + (size_t)(g * group + j) * hd;
+                    os[j] = attn + ((size_t)r * heads + g * group + j) * hd;
+                    ns[j] = (int)lengths[r];
+                }
+                for (int j = 0; j < group; j += per) /* as sy_decode_attention's tasks */
+                    if (attend_queries(qs + j, ns + j, os + j, per, keys, values, hd, scale)) {
+#pragma omp atomic write
+                        failed = 1;
+                    }
+            }
+            w = &L->o;
+            pgemm_team(w->kind, attn, rows, w->k, w->codes, w->d, w->m, w->n, out, xq, 1);
+            sy_add_rms_norm(xr, out, rows, hidden, L->norm2, L->eps2, h);
+            w = &L->gate_up;
+            pgemm_team(w->kind, h, rows, w->k, w->codes, w->d, w->m, w->n, gate_up, xq, 1);
+            sy_silu_mul(gate_up, rows, inter, act);
+            w = &L->down;
+            pgemm_team(w->kind, act, rows, w->k, w->codes, w->d, w->m, w->n, delta, xq, 1);
+        }
+        if (t == 0) memcpy(x, xr, sizeof(float) * (size_t)rows * hidden);
+    }
+    free(qkv), free(privates), free(xqs);
+    return failed ? -1 : 0;
+}
+#endif
+
 #define SPLIT_ROWS 4 /* a decoding step's rows per thread from which threads split rows */
 
 /*
@@ -1013,18 +1124,29 @@ static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float 
  * from one thread for a few milliseconds, the other goes on with its rows
  * instead of waiting at the next barrier. Each row gets the same operations
  * either way (its arithmetic never depends on the rows beside it), so the
- * same bits. A step with a prompt being prefilled (rows sharing a slot) splits
- * each product's outputs between the threads, as does one with fewer rows.
+ * same bits. A step of fewer decoding rows runs in one parallel region
+ * (layers_in_team): each product's outputs and each attention are shared
+ * out, with 5 barriers a layer. A step with a prompt being prefilled (rows
+ * sharing a slot) splits each product's outputs between the threads, in a
+ * parallel region of its own.
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
                      const int64_t *positions, const int64_t *slots, const int64_t *lengths,
                      const float *freqs, int length, float scale) {
-    int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-    threads = rows / SPLIT_ROWS < threads ? rows / SPLIT_ROWS : threads;
-    for (int r = 1; r < rows && threads > 1; r++)
-        for (int s = 0; s < r && threads > 1; s++)
-            if (slots[s] == slots[r]) threads = 1;
+    const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
+    int distinct = 1;
+    for (int r = 1; r < rows && distinct; r++)
+        for (int s = 0; s < r && distinct; s++)
+            if (slots[s] == slots[r]) distinct = 0;
+    const int threads = !distinct ? 1 : rows / SPLIT_ROWS < team ? rows / SPLIT_ROWS : team;
+#if SY_PANELS
+    const int group = heads / kv_heads;
+    if (threads <= 1 && team > 1 && distinct && rows <= PRIVATE_ROWS &&
+        group <= ATT_GROUP)
+        return layers_in_team(layers, n_layers, x, delta, rows, hidden, heads, kv_heads, hd, inter,
+                              positions, slots, lengths, freqs, length, scale, team);
+#endif
     if (threads <= 1)
         return layers_of_rows(layers, n_layers, x, delta, rows, hidden, heads, kv_heads, hd, inter,
                               positions, slots, lengths, freqs, length, scale);

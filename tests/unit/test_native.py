@@ -16,12 +16,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from models import native
 from models.llama import Chunk, LlamaRuntime, StepInput
 from models.quant import GROUP_SIZE, PANEL_WIDTH, Int4Linear, NativeLinear, pack_q4_1
-from tests.unit.test_llama_runtime import _model
+from tests.unit.test_llama_runtime import SHAPE, _model
 
 lib = native.library()
 pytestmark = pytest.mark.skipif(
@@ -167,11 +167,18 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
                 runtime.native_layers = fused
 
 
-def test_a_step_split_by_rows_between_threads_gives_each_row_its_bits_alone() -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> None:
     """Eight decoding rows on two threads: each thread takes four rows through every
-    layer (``sy_decode_layers``' split), and every row's logits are those it gets
-    decoded alone and those of the layer-by-layer path."""
-    model = _tiny_llama()
+    layer (``sy_decode_layers``' split); three rows, or one, are too few to split and
+    share one parallel region for the whole step (``layers_in_team``). Every row's
+    logits are those it gets decoded alone and those of the layer-by-layer path. Heads
+    of 64 are attended a group at a time (``attend_rows``), others one by one."""
+    torch.manual_seed(0)
+    heads = 2  # sharing one key and value head
+    shape = {**SHAPE, "hidden_size": heads * head_dim, "num_attention_heads": heads}
+    shape["num_key_value_heads"] = 1
+    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)).eval()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -200,12 +207,15 @@ def test_a_step_split_by_rows_between_threads_gives_each_row_its_bits_alone() ->
 
             order = [6, 2, 7, 0, 5, 1, 3, 4]
             together = decode(order)
+            few = decode(order[:3])
             for row, slot in enumerate(order):
                 assert torch.equal(decode([slot])[0], together[row])
+            assert torch.equal(few, together[:3])
             fused = runtime.native_layers
             runtime.native_layers = None
             try:
                 assert torch.equal(decode(order), together)
+                assert torch.equal(decode(order[:3]), few)
             finally:
                 runtime.native_layers = fused
     finally:
