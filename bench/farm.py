@@ -18,7 +18,10 @@ the highest load) and the API's memory with many idle websocket subscribers
 
 Every level runs ``concurrency`` client threads, each sending
 ``requests_per_client`` requests one after another (as ``bench.engine`` does),
-so requests join and leave a running batch. Tokens are the completion tokens
+so requests join and leave a running batch; a level with few clients sends
+more, so that it has at least ``--min-requests`` (8): a p50 of two requests
+is the faster one, and which of two is faster (a prompt already cached, a
+core taken for a moment) is chance. Tokens are the completion tokens
 each system reports; TTFT runs from the client's first byte of the request to
 the first text it receives; ITL samples are the gaps between two text arrivals,
 split evenly over the tokens of the later one.
@@ -217,15 +220,18 @@ def run_levels(
     concurrencies: Sequence[int],
     requests_per_client: int,
     on_level: Callable[[int], Any] | None = None,
+    min_requests: int = 1,
 ) -> list[Level]:
-    """A warm-up request, then every level in turn, printed as it finishes."""
+    """A warm-up request, then every level in turn, printed as it finishes; each
+    level sends at least ``min_requests`` requests (more per client where few)."""
     warm = client(prompts[0])
     if warm.error is not None:
         raise RuntimeError(f"{system}: the warm-up request failed: {warm.error}")
     levels = []
     for c in concurrencies:
+        per_client = max(requests_per_client, -(-min_requests // c))
         with on_level(c) if on_level is not None else _nothing():
-            level = run_level(system, client, prompts, c, requests_per_client)
+            level = run_level(system, client, prompts, c, per_client)
         s = level.summary()
         print(
             f"  {system:<7} {c:>3} clients: {s['tokens_per_s']:>7.1f} tok/s, "
@@ -762,6 +768,7 @@ def engine_phase(
             args.concurrency,
             args.requests_per_client,
             on_level=ENGINE_CPU.measuring,
+            min_requests=args.min_requests,
         )
     finally:
         engine.stop()
@@ -833,6 +840,7 @@ def farm_phase(
             args.concurrency,
             args.requests_per_client,
             on_level=measured,
+            min_requests=args.min_requests,
         )
         worker_stop()  # the subscribers' jobs must stay queued
         subscribers = None
@@ -887,7 +895,14 @@ def peer_phase(
             env=dict(os.environ),
         ) as (base, _proc):
             client = PeerClient(base, args.max_new_tokens)
-            levels = run_levels("peer", client, PROMPTS, args.concurrency, args.requests_per_client)
+            levels = run_levels(
+                "peer",
+                client,
+                PROMPTS,
+                args.concurrency,
+                args.requests_per_client,
+                min_requests=args.min_requests,
+            )
         return levels, None
     except PeerUnavailable as exc:
         return [], str(exc)
@@ -1086,6 +1101,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=8,
+        help="requests of a level at least, more per client where few (default: 8)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
