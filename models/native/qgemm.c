@@ -1102,7 +1102,7 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
 }
 #endif
 
-#define SPLIT_ROWS 4 /* a decoding step's rows per thread from which threads split rows */
+#define SPLIT_ROWS 2 /* a decoding step's rows per thread from which threads split rows */
 
 /*
  * Every layer of a step of rows (one token each, in slot slots[r] at position
