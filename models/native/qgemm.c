@@ -973,11 +973,18 @@ static int matmul(const sy_matrix *w, const float *x, int rows, float *y) {
     return sy_pgemm(w->kind, x, rows, w->k, w->codes, w->d, w->m, w->n, y);
 }
 
-/* The layers for rows of a step (see sy_decode_layers), with the threads the caller runs. */
+/*
+ * The layers for rows of a step (see sy_decode_layers), with the threads the caller
+ * runs. With failed (not NULL) it is one thread's share of the rows of a step split
+ * between the threads of a parallel region whose rows may share slots (a prompt
+ * being prefilled): the threads meet after every layer's cache write, so that
+ * each row attends keys and values of its slot that other threads stored, and
+ * every thread meets as often as the others whatever fails (*failed is shared).
+ */
 static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                           int hidden, int heads, int kv_heads, int hd, int inter,
                           const int64_t *positions, const int64_t *slots, const int64_t *lengths,
-                          const float *freqs, int length, float scale) {
+                          const float *freqs, int length, float scale, int *failed) {
     const int width = (heads + 2 * kv_heads) * hd;
     float *h = malloc(sizeof(float) * (size_t)rows * hidden);
     float *qkv = malloc(sizeof(float) * (size_t)rows * width);
@@ -986,22 +993,45 @@ static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float 
     float *gate_up = malloc(sizeof(float) * (size_t)rows * 2 * inter);
     float *act = malloc(sizeof(float) * (size_t)rows * inter);
     int status = h && qkv && attn && out && gate_up && act ? 0 : -1;
-    for (int l = 0; l < n_layers && !status; l++) {
+    if (failed) {
+        if (status) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp barrier
+        int any;
+#pragma omp atomic read
+        any = *failed;
+        status = any ? -1 : 0; /* all go on, or all stop: no thread left at a barrier */
+    }
+    for (int l = 0; l < n_layers && (failed || !status); l++) {
         const sy_layer *L = layers + l;
-        sy_add_rms_norm(x, l ? delta : NULL, rows, hidden, L->norm1, L->eps1, h);
-        if ((status = matmul(&L->qkv, h, rows, qkv))) break;
-        if (L->qkv_bias)
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < width; i++) qkv[(size_t)r * width + i] += L->qkv_bias[i];
-        sy_rope_store(qkv, rows, width, heads, kv_heads, hd, positions, slots, freqs, L->kv, length);
-        if ((status = sy_decode_attention(qkv, rows, width, heads, kv_heads, hd, L->kv, length,
-                                          slots, lengths, scale, attn)))
-            break;
-        if ((status = matmul(&L->o, attn, rows, out))) break;
-        sy_add_rms_norm(x, out, rows, hidden, L->norm2, L->eps2, h);
-        if ((status = matmul(&L->gate_up, h, rows, gate_up))) break;
-        sy_silu_mul(gate_up, rows, inter, act);
-        status = matmul(&L->down, act, rows, delta);
+        if (!status) {
+            sy_add_rms_norm(x, l ? delta : NULL, rows, hidden, L->norm1, L->eps1, h);
+            status = matmul(&L->qkv, h, rows, qkv);
+        }
+        if (!status) {
+            if (L->qkv_bias)
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < width; i++) qkv[(size_t)r * width + i] += L->qkv_bias[i];
+            sy_rope_store(qkv, rows, width, heads, kv_heads, hd, positions, slots, freqs, L->kv,
+                          length);
+        }
+        if (failed) {
+#pragma omp barrier
+        }
+        if (!status)
+            status = sy_decode_attention(qkv, rows, width, heads, kv_heads, hd, L->kv, length,
+                                         slots, lengths, scale, attn);
+        if (!status) status = matmul(&L->o, attn, rows, out);
+        if (!status) {
+            sy_add_rms_norm(x, out, rows, hidden, L->norm2, L->eps2, h);
+            status = matmul(&L->gate_up, h, rows, gate_up);
+        }
+        if (!status) {
+            sy_silu_mul(gate_up, rows, inter, act);
+            status = matmul(&L->down, act, rows, delta);
+        }
     }
     free(h), free(qkv), free(attn), free(out), free(gate_up), free(act);
     return status;
@@ -1116,19 +1146,21 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * not yet added to x (as forward leaves it). Returns 0, -1 if out of memory,
  * -2 without panels.
  *
- * A step of decoding rows only (each in a slot of its own), SPLIT_ROWS or more
- * a thread, is split by rows: each thread takes its share of the rows through
- * every layer alone, and the threads meet once, at the end, instead of at each
- * of the step's few hundred matrix products and attentions. A worker shares
+ * A step of SPLIT_ROWS or more rows a thread is split by rows: each thread
+ * takes its share of the rows through every layer alone, and the threads meet
+ * once, at the end, instead of at each of the step's few hundred matrix
+ * products and attentions. A worker shares
  * its cores with the API, Redis and the clients: where the OS takes a core
  * from one thread for a few milliseconds, the other goes on with its rows
  * instead of waiting at the next barrier. Each row gets the same operations
  * either way (its arithmetic never depends on the rows beside it), so the
- * same bits. A step of fewer decoding rows runs in one parallel region
- * (layers_in_team): each product's outputs and each attention are shared
- * out, with 5 barriers a layer. A step with a prompt being prefilled (rows
- * sharing a slot) splits each product's outputs between the threads, in a
- * parallel region of its own.
+ * same bits. A step with a prompt being prefilled (rows sharing a slot) is
+ * split by rows too, and the threads meet once a layer, after every row's
+ * keys and values are stored, before any row attends. A step of fewer
+ * decoding rows runs in one parallel region (layers_in_team): each product's
+ * outputs and each attention are shared out, with 5 barriers a layer. One of
+ * fewer rows with a prompt splits each product's outputs between the
+ * threads, in a parallel region of its own.
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
@@ -1139,7 +1171,7 @@ int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delt
     for (int r = 1; r < rows && distinct; r++)
         for (int s = 0; s < r && distinct; s++)
             if (slots[s] == slots[r]) distinct = 0;
-    const int threads = !distinct ? 1 : rows / SPLIT_ROWS < team ? rows / SPLIT_ROWS : team;
+    const int threads = rows / SPLIT_ROWS < team ? rows / SPLIT_ROWS : team;
 #if SY_PANELS
     const int group = heads / kv_heads;
     if (threads <= 1 && team > 1 && distinct && rows <= PRIVATE_ROWS &&
@@ -1149,16 +1181,18 @@ int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delt
 #endif
     if (threads <= 1)
         return layers_of_rows(layers, n_layers, x, delta, rows, hidden, heads, kv_heads, hd, inter,
-                              positions, slots, lengths, freqs, length, scale);
-    int status = 0;
+                              positions, slots, lengths, freqs, length, scale, NULL);
+    int status = 0, failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
         const int r0 = rows * t / n, r1 = rows * (t + 1) / n;
-        const int mine = r1 <= r0 ? 0
-            : layers_of_rows(layers, n_layers, x + (size_t)r0 * hidden, delta + (size_t)r0 * hidden,
-                             r1 - r0, hidden, heads, kv_heads, hd, inter, positions + r0,
-                             slots + r0, lengths + r0, freqs, length, scale);
+        /* Every thread has rows (threads <= rows), and meets the others where needed. */
+        const int mine =
+            layers_of_rows(layers, n_layers, x + (size_t)r0 * hidden, delta + (size_t)r0 * hidden,
+                           r1 - r0, hidden, heads, kv_heads, hd, inter, positions + r0,
+                           slots + r0, lengths + r0, freqs, length, scale,
+                           distinct ? NULL : &failed);
         if (mine) {
 #pragma omp atomic write
             status = mine;

@@ -225,8 +225,12 @@ def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> N
 def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> None:
     """With every layer in one call, a prompt's tokens are rows like decoding ones: one
     chunk, two chunks beside a decoding row, or one token a step give the same logits
-    and the same cache, to the bit; and the same function as the layer-by-layer path."""
+    and the same cache, to the bit; and the same function as the layer-by-layer path.
+    On two threads the chunks are split by rows (``sy_decode_layers``), the threads
+    meeting after every layer's cache write, before any row attends."""
     model = _tiny_llama()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     with torch.inference_mode():
         runtime = LlamaRuntime(model, quantization="int4")
         if runtime.native_layers is None:
@@ -264,6 +268,7 @@ def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> No
             )
         finally:
             runtime.native_layers = fused
+            torch.set_num_threads(threads)
 
 
 def test_without_a_compiler_the_runtime_keeps_pytorchs_int4_kernel(
