@@ -36,6 +36,9 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
         "1",
         "--requests-per-client",
         "1",
+        # One client sends more to reach a level's least (8 by default; 2 here).
+        "--min-requests",
+        "2",
         "--max-new-tokens",
         "4",
         "--subscribers",
@@ -63,8 +66,8 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     rows = {row["system"]: row for row in report["rows"]}
     assert set(rows) == {"engine", "farm/ws"}
     for row in rows.values():
-        assert row["requests"] == 1 and row["errors"] == 0
-        assert 1 <= row["tokens"] <= 4
+        assert row["requests"] == 2 and row["errors"] == 0
+        assert 2 <= row["tokens"] <= 8
     assert report["worker_rss_loaded"] > 0
     assert report["subscribers"]["opened"] == 3
     assert "farm / engine tok/s at 8 clients" in result.stdout
