@@ -1038,6 +1038,11 @@ static int layers_of_rows(const sy_layer *layers, int n_layers, float *x, float 
 }
 
 #if SY_PANELS
+/* matmul by the caller's team, each thread quantizing x into its own xq. */
+static void matmul_team(const sy_matrix *w, const float *x, int rows, float *y, block_q16 *xq) {
+    pgemm_team(w->kind, x, rows, w->k, w->codes, w->d, w->m, w->n, y, xq, 1);
+}
+
 /*
  * layers_of_rows for a few decoding rows (each in a slot of its own, at most
  * PRIVATE_ROWS), in one parallel region for the whole step instead of one per
@@ -1080,9 +1085,8 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
         memcpy(xr, x, sizeof(float) * (size_t)rows * hidden);
         for (int l = 0; l < n_layers; l++) {
             const sy_layer *L = layers + l;
-            const sy_matrix *w = &L->qkv;
             sy_add_rms_norm(xr, l ? delta : NULL, rows, hidden, L->norm1, L->eps1, h);
-            pgemm_team(w->kind, h, rows, w->k, w->codes, w->d, w->m, w->n, qkv, xq, 1);
+            matmul_team(&L->qkv, h, rows, qkv, xq);
 #pragma omp for schedule(dynamic, 1)
             for (int task = 0; task < rows * kv_heads; task++) {
                 const int r = task / kv_heads, g = task % kv_heads;
@@ -1116,14 +1120,11 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
                         failed = 1;
                     }
             }
-            w = &L->o;
-            pgemm_team(w->kind, attn, rows, w->k, w->codes, w->d, w->m, w->n, out, xq, 1);
+            matmul_team(&L->o, attn, rows, out, xq);
             sy_add_rms_norm(xr, out, rows, hidden, L->norm2, L->eps2, h);
-            w = &L->gate_up;
-            pgemm_team(w->kind, h, rows, w->k, w->codes, w->d, w->m, w->n, gate_up, xq, 1);
+            matmul_team(&L->gate_up, h, rows, gate_up, xq);
             sy_silu_mul(gate_up, rows, inter, act);
-            w = &L->down;
-            pgemm_team(w->kind, act, rows, w->k, w->codes, w->d, w->m, w->n, delta, xq, 1);
+            matmul_team(&L->down, act, rows, delta, xq);
         }
         if (t == 0) memcpy(x, xr, sizeof(float) * (size_t)rows * hidden);
     }
@@ -1132,7 +1133,7 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
 }
 #endif
 
-#define SPLIT_ROWS 2 /* a decoding step's rows per thread from which threads split rows */
+#define SPLIT_ROWS 2 /* a step's rows per thread from which threads split rows */
 
 /*
  * Every layer of a step of rows (one token each, in slot slots[r] at position
