@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,8 +47,13 @@ from jobs.events import EventLog, JobEvent
 
 log = logging.getLogger(__name__)
 
-# How long the hub thread blocks waiting for a pub/sub message, in seconds:
-# also the longest a new subscription waits to be sent to Redis.
+# How long the hub thread sleeps when nothing wakes it, in seconds. A pub/sub
+# message (its socket turns readable) or a (un)subscription (a byte on the
+# hub's pipe) wakes it at once, so this only bounds how long a stop waits.
+HUB_IDLE_S = 1.0
+# The hub's tick where the pub/sub connection has no socket to wait on (a
+# redis-py without ``Connection._sock``): it polls, and a new subscription
+# waits up to this long to be sent to Redis.
 HUB_TICK_S = 0.01
 # How long a subscriber waits for Redis to confirm its subscription, in seconds.
 SUBSCRIBE_WAIT_S = 1.0
@@ -175,6 +182,10 @@ class RelayHub:
         self._lock = threading.Lock()
         self._listeners: dict[str, set[Subscription]] = {}
         self._commands: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        # A byte on this pipe wakes the hub thread for a command (or a stop).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._last_seqs = RowCache()
@@ -215,7 +226,7 @@ class RelayHub:
             if not first:
                 sub.confirmed.set()
         if first:
-            self._commands.put(("subscribe", sub.channel))
+            self._command("subscribe", sub.channel)
         sub.confirmed.wait(SUBSCRIBE_WAIT_S)
         return sub
 
@@ -228,7 +239,7 @@ class RelayHub:
             if listeners:
                 return
             del self._listeners[sub.channel]
-        self._commands.put(("unsubscribe", sub.channel))
+        self._command("unsubscribe", sub.channel)
 
     @property
     def subscriber_count(self) -> int:
@@ -237,6 +248,7 @@ class RelayHub:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=2)
 
@@ -262,8 +274,26 @@ class RelayHub:
                 with contextlib.suppress(redis.RedisError):
                     pubsub.close()
 
+    def _command(self, command: str, channel: str) -> None:
+        self._commands.put((command, channel))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: the hub has bytes to wake on
+            os.write(self._wake_w, b"\0")
+
     def _pump(self, pubsub: redis.client.PubSub) -> None:
+        """Route messages and carry out commands until stopped.
+
+        The thread sleeps until a message or a command arrives: it does not
+        poll (a hundred wake-ups a second per API process, idle or not, before
+        2026-12-02). The wake-up bytes are read before the commands, so a
+        command queued after that read leaves a byte that ends the next wait.
+        """
         while not self._stopping.is_set():
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 4096):
+                    pass
             while True:
                 try:
                     command, channel = self._commands.get_nowait()
@@ -274,28 +304,41 @@ class RelayHub:
                 else:
                     pubsub.unsubscribe(channel)
             if not pubsub.subscribed:
-                time.sleep(HUB_TICK_S)
+                select.select([self._wake_r], [], [], HUB_IDLE_S)
                 continue
-            message = pubsub.get_message(timeout=HUB_TICK_S)
+            # What the connection has buffered or received already, without waiting.
+            message = pubsub.get_message(timeout=0)
+            if message is None:
+                sock = getattr(pubsub.connection, "_sock", None)
+                if not isinstance(sock, socket.socket):
+                    message = pubsub.get_message(timeout=HUB_TICK_S)
+                elif not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+                    select.select([sock.fileno(), self._wake_r], [], [], HUB_IDLE_S)
+                    continue
+                else:
+                    continue  # decrypted bytes wait in the TLS layer: read them now
             if message is None:
                 continue
-            channel = message["channel"]
-            if isinstance(channel, bytes):
-                channel = channel.decode()
-            if message["type"] == "subscribe":
-                with self._lock:
-                    for sub in self._listeners.get(channel, ()):
-                        sub.confirmed.set()
-            elif message["type"] == "message":
-                try:
-                    event = JobEvent.from_json(message["data"])
-                except (ValueError, KeyError):
-                    log.warning("malformed event on %s dropped", channel)
-                    continue
-                with self._lock:
-                    targets = list(self._listeners.get(channel, ()))
-                for sub in targets:
-                    sub.offer(event)
+            self._route(message)
+
+    def _route(self, message: dict[str, Any]) -> None:
+        channel = message["channel"]
+        if isinstance(channel, bytes):
+            channel = channel.decode()
+        if message["type"] == "subscribe":
+            with self._lock:
+                for sub in self._listeners.get(channel, ()):
+                    sub.confirmed.set()
+        elif message["type"] == "message":
+            try:
+                event = JobEvent.from_json(message["data"])
+            except (ValueError, KeyError):
+                log.warning("malformed event on %s dropped", channel)
+                return
+            with self._lock:
+                targets = list(self._listeners.get(channel, ()))
+            for sub in targets:
+                sub.offer(event)
 
 
 class LagWatch:
