@@ -304,7 +304,7 @@ class RelayHub:
                 else:
                     pubsub.unsubscribe(channel)
             if not pubsub.subscribed:
-                select.select([self._wake_r], [], [], HUB_IDLE_S)
+                self._sleep()
                 continue
             # What the connection has buffered or received already, without waiting.
             message = pubsub.get_message(timeout=0)
@@ -313,13 +313,25 @@ class RelayHub:
                 if not isinstance(sock, socket.socket):
                     message = pubsub.get_message(timeout=HUB_TICK_S)
                 elif not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
-                    select.select([sock.fileno(), self._wake_r], [], [], HUB_IDLE_S)
+                    self._sleep(sock)
                     continue
                 else:
                     continue  # decrypted bytes wait in the TLS layer: read them now
             if message is None:
                 continue
             self._route(message)
+
+    def _sleep(self, sock: socket.socket | None = None) -> None:
+        """Wait until ``sock`` or the wake-up pipe is readable, at most ``HUB_IDLE_S``.
+
+        ``poll``, not ``select``: a process holding thousands of sockets opens
+        its pub/sub connection at a descriptor past select's limit of 1024.
+        """
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if sock is not None:
+            poller.register(sock, select.POLLIN)
+        poller.poll(HUB_IDLE_S * 1000)
 
     def _route(self, message: dict[str, Any]) -> None:
         channel = message["channel"]
