@@ -68,13 +68,13 @@ from api.auth import (
 )
 from api.disclosure import sees_internals
 from api.errors import ApiError, BadRequest, NotFound, RateLimited, ValidationFailed
-from api.jobs import follow_job, refuse_socket, submit_job
 from api.openapi import spec
 from api.request_ids import accepted, request_id, request_id_as
 from api.schemas import JobRequest, field_name, reject_nul
 from api.services import services
 from api.sock import sock
 from api.streams import LagWatch, SlowClient, close_now, drop_laggard, send_frame
+from api.submission import follow_job, refuse_socket, submit_job
 from api.waiting import WaitingWatch
 from config import Settings
 from db.accounts import Principal

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Each request is an ordinary job (:func:`api.jobs.submit_job`): a row, a Celery
+Each request is an ordinary job (:func:`api.submission.submit_job`): a row, a Celery
 message, a Redis stream. A streaming answer relays the job's events as
 ``chat.completion.chunk`` / ``text_completion`` chunks, ends with
 ``data: [DONE]``, and adds a usage chunk when ``stream_options.include_usage``.
@@ -34,14 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from api import envelopes
 from api.auth import optional_principal
 from api.errors import ValidationFailed
-from api.jobs import (
-    IDEMPOTENCY_HEADER,
-    final_event,
-    follow_job,
-    idempotency_key_header,
-    restart_error,
-    submit_job,
-)
 from api.openapi import spec
 from api.schemas import (
     GenerationParams,
@@ -54,6 +46,14 @@ from api.schemas import (
 )
 from api.services import services
 from api.streams import sse_response
+from api.submission import (
+    IDEMPOTENCY_HEADER,
+    final_event,
+    follow_job,
+    idempotency_key_header,
+    restart_error,
+    submit_job,
+)
 from config.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, OPENAI_MAX_TEMPERATURE
 from db.schema import Job
 from jobs.events import usage_of

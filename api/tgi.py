@@ -36,15 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from api import envelopes
 from api.auth import optional_principal
 from api.errors import NotFound, ValidationFailed
-from api.jobs import (
-    IDEMPOTENCY_HEADER,
-    JobFailed,
-    final_event,
-    follow_job,
-    idempotency_key_header,
-    restart_error,
-    submit_job,
-)
 from api.openapi import Header, spec
 from api.schemas import (
     GenerationParams,
@@ -56,6 +47,15 @@ from api.schemas import (
 )
 from api.services import services
 from api.streams import sse_response
+from api.submission import (
+    IDEMPOTENCY_HEADER,
+    JobFailed,
+    final_event,
+    follow_job,
+    idempotency_key_header,
+    restart_error,
+    submit_job,
+)
 from config.sampling import MAX_STOP_STRINGS
 from db.overrides import ModelOverrides, apply
 from db.schema import Job

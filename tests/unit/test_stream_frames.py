@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from api.envelopes import tgi_body
-from api.jobs import JobFailed
 from api.multiplex import MessageRate, event_frame
+from api.submission import JobFailed
 from config import load_settings
 from jobs.events import JobEvent
 
