@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 import requests
 from sqlalchemy import create_engine, make_url, text
@@ -91,6 +92,28 @@ def database_of_its_own(base_url: str, suffix: str) -> str:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
     return url.set(database=name).render_as_string(hide_password=False)
+
+
+def processes_of_farm(redis_prefix: str, marker: str) -> list[list[str]]:
+    """Command lines of the running processes with ``marker`` in them that belong to the
+    farm under ``redis_prefix`` (their ``SWITCHYARD_REDIS_PREFIX``).
+
+    Another test run on the same machine (another checkout, another database)
+    may be running the same program with the same model names at the same
+    time: its processes carry its own session's prefix, and are not ours.
+    """
+    found: list[list[str]] = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"]
+        if not cmdline or marker not in " ".join(cmdline):
+            continue
+        try:
+            prefix = p.environ().get("SWITCHYARD_REDIS_PREFIX")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue  # gone meanwhile, or another user's
+        if prefix == redis_prefix:
+            found.append(cmdline)
+    return found
 
 
 def free_port() -> int:

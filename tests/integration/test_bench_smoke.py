@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
 from config import Settings
 from config.settings import PROJECT_ROOT
+from tests.farm import processes_of_farm
 
 
 def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
@@ -72,9 +71,4 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     assert report["subscribers"]["opened"] == 3
     assert "farm / engine tok/s at 8 clients" in result.stdout
     # Every process the benchmark started is gone.
-    leftovers = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and "tiny-bench" in " ".join(p.info["cmdline"])
-    ]
-    assert leftovers == []
+    assert processes_of_farm(migrated.redis_prefix, "tiny-bench") == []

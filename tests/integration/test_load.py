@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
 from config import Settings
 from config.settings import PROJECT_ROOT
+from tests.farm import processes_of_farm
 
 
 def test_load_program_fast_subset(migrated: Settings, tmp_path: Path) -> None:
@@ -80,9 +79,4 @@ def test_load_program_fast_subset(migrated: Settings, tmp_path: Path) -> None:
     assert soak["jobs"] > 0 and soak["bad"] == 0
     assert soak["after"]["stream_keys"] == 0
     # Every process the program started is gone.
-    leftovers = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and "tiny-load-" in " ".join(p.info["cmdline"])
-    ]
-    assert leftovers == []
+    assert processes_of_farm(migrated.redis_prefix, "tiny-load-") == []
