@@ -45,6 +45,17 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
+def as_from_a_shell() -> None:
+    """Ctrl-C reaches the client as it does when a shell starts it in the foreground.
+
+    A test run started in the background by a non-interactive shell (``make test &``
+    in a script, ``nohup``) inherits SIGINT and SIGQUIT ignored, and an ignored
+    signal stays ignored across exec, so the client would never see Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def spawn(*args: str) -> pexpect.spawn:
     child = pexpect.spawn(
         CLI[0],
@@ -54,6 +65,7 @@ def spawn(*args: str) -> pexpect.spawn:
         encoding="utf-8",
         timeout=120,
         dimensions=(40, 200),
+        preexec_fn=as_from_a_shell,
     )
     return child
 
