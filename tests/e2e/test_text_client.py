@@ -49,8 +49,8 @@ def as_from_a_shell() -> None:
     """Ctrl-C reaches the client as it does when a shell starts it in the foreground.
 
     A test run started in the background by a non-interactive shell (``make test &``
-    in a script, ``nohup``) inherits SIGINT and SIGQUIT ignored, and an ignored
-    signal stays ignored across exec, so the client would never see Ctrl-C.
+    in a script) inherits SIGINT and SIGQUIT ignored, and an ignored signal stays
+    ignored across exec, so the client would never see Ctrl-C.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
