@@ -11,8 +11,11 @@ The KV cache is a :class:`SlotCache`: one row ("slot") per running sequence,
 preallocated and grown by doubling, so a sequence joining or leaving copies
 nothing. Weights are repacked once at load: q, k and v fused into one matrix,
 gate and up into another, each a :class:`~models.quant.Linear` (dense or
-4-bit). The residual stream, norms, rotary embedding, attention and the cache
-stay in float32 (or the model's half dtype on a GPU).
+4-bit). The residual stream, norms, rotary embedding and attention stay in
+float32 (or the model's half dtype on a GPU). Where ``qgemm.c``'s kernels run
+the step (a CPU, every format but the float32 reference), the cache holds
+float16: decoding streams every key and value of its rows' slots each step,
+and at a few hundred positions those bytes outweigh the 4-bit weights.
 
 Models that are not Llama-shaped (checked by :func:`supports`) are refused.
 """
@@ -252,8 +255,13 @@ class LlamaRuntime:
         self.freqs = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
         self.scale = self.head_dim**-0.5
         # The norms, the MLP's activation, rotary embedding and decode attention in
-        # qgemm.c too, where it loads and the residual stream is float32.
-        self.ops = native.Ops(lib) if lib is not None and self.residual == torch.float32 else None
+        # qgemm.c too, where it loads and the residual stream is float32, with a
+        # float16 cache. Not for the float32 reference (float32 weights, no
+        # quantization): it stays PyTorch's arithmetic with a float32 cache.
+        reference = quantization is None and self.dtype == torch.float32
+        native_ops = self.residual == torch.float32 and not reference
+        self.ops = native.Ops(lib) if lib is not None and native_ops else None
+        self.kv_dtype = native.KV_DTYPE if self.ops is not None else self.residual
         self.freqs_pairs = torch.view_as_real(self.freqs).contiguous()  # [positions, hd / 2, 2]
         # Decoding steps run every layer in one call where every weight is in panels.
         self.native_layers = self.ops.layer_table(self.layers) if self.ops is not None else None
@@ -265,7 +273,7 @@ class LlamaRuntime:
             slots,
             self.kv_heads,
             self.head_dim,
-            self.residual,
+            self.kv_dtype,
             self.device,
             min(max_length, self.max_positions),
         )
@@ -317,8 +325,8 @@ class LlamaRuntime:
                 at = n_decode
                 for chunk, mask in zip(step.chunks, masks, strict=True):
                     end = chunk.start + chunk.length
-                    ck = keys[chunk.slot : chunk.slot + 1, :, :end]
-                    cv = values[chunk.slot : chunk.slot + 1, :, :end]
+                    ck = keys[chunk.slot : chunk.slot + 1, :, :end].to(self.residual)
+                    cv = values[chunk.slot : chunk.slot + 1, :, :end].to(self.residual)
                     cq = q[at : at + chunk.length].transpose(0, 1)[None]
                     o = F.scaled_dot_product_attention(
                         cq, ck, cv, attn_mask=mask, scale=self.scale, enable_gqa=h_q != h_kv

@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 
+KV_DTYPE = torch.float16
+"""The KV cache's dtype for these kernels: keys and values are stored as IEEE half
+floats (``sy_half``), which halves what decode attention reads each step."""
+
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []
 
@@ -231,7 +235,9 @@ class Ops:
         """Rotate q and k of ``qkv`` (``[rows, (heads + 2 kv_heads) * hd]``, rows
         contiguous) in place by ``freqs`` (``[positions, hd / 2, 2]``: cos, sin) at
         ``positions``, and write each row's keys and values into ``kv``
-        (``[slots, 2 * kv_heads, length, hd]``) at its slot and position (int64s)."""
+        (``[slots, 2 * kv_heads, length, hd]``, :data:`KV_DTYPE`) at its slot and
+        position (int64s), rounded to nearest."""
+        _check_cache(kv)
         rows, width = qkv.shape
         hd = width // (heads + 2 * kv_heads)
         if qkv.stride(1) != 1:
@@ -263,8 +269,9 @@ class Ops:
     ) -> torch.Tensor:
         """One query per row (``q``: ``[rows, heads, hd]``, rows may be strided) over
         positions ``0 .. lengths[r] - 1`` of slot ``slots[r]`` of ``kv``
-        (``[slots, 2 * kv_heads, length, hd]``, contiguous); ``slots`` and
-        ``lengths`` are int64."""
+        (``[slots, 2 * kv_heads, length, hd]``, :data:`KV_DTYPE`, contiguous); ``slots``
+        and ``lengths`` are int64."""
+        _check_cache(kv)
         rows, heads, hd = q.shape
         if q.stride(2) != 1 or q.stride(1) != hd:
             q = q.contiguous()
@@ -331,10 +338,12 @@ class Ops:
         ``slots`` at ``positions``, each attending its slot up to its position):
         ``x`` (``[rows, hidden]``, float32, contiguous) updated in place, ``delta``
         set to the last layer's MLP output (not added to ``x``).
-        ``kv`` is the cache's tensor per layer (``[slots, 2 * kv_heads, length, hd]``)."""
+        ``kv`` is the cache's tensor per layer (``[slots, 2 * kv_heads, length, hd]``,
+        :data:`KV_DTYPE`)."""
         rows, hidden = x.shape
         hd = kv[0].shape[-1]
         for entry, layer_kv in zip(table, kv, strict=True):
+            _check_cache(layer_kv)
             entry.kv = layer_kv.data_ptr()  # the cache may have grown since the last step
         positions = positions.to(torch.int64).contiguous()  # held: see add_rms_norm
         lengths = positions + 1
@@ -359,3 +368,9 @@ class Ops:
         )
         if status:
             raise MemoryError("decode layers: out of memory")
+
+
+def _check_cache(kv: torch.Tensor) -> None:
+    """The kernels read and write ``kv``'s memory as contiguous half floats."""
+    if kv.dtype != KV_DTYPE or not kv.is_contiguous():
+        raise ValueError(f"the KV cache must be a contiguous {KV_DTYPE} tensor, not {kv.dtype}")

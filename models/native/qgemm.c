@@ -54,6 +54,61 @@ static int omp_in_parallel(void) { return 0; }
 
 #define QK 32
 
+/*
+ * The KV cache holds IEEE half floats (binary16, as uint16_t): a decoding
+ * step's attention streams every key and value of its rows' slots, and at a
+ * few hundred positions those outweigh the 4-bit weights; half floats halve
+ * them. Stored rounded to nearest even, read back exactly, the same in every
+ * kernel below: the AVX-512, AVX2 and scalar code give the same bits.
+ */
+typedef uint16_t sy_half;
+
+#if SY_AVX2
+static inline float half_to_float(sy_half h) { return _cvtsh_ss(h); }
+static inline sy_half float_to_half(float f) { return (sy_half)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+static inline __m256 load8h(const sy_half *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline float half_to_float(sy_half h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    if (e == 0x1f) bits = sign | 0x7f800000u | (m << 13); /* inf, nan */
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else { /* subnormal: m 2^-24, exact in a float */
+        float f = (float)m * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline sy_half float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000u) return (sy_half)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+    if (ax >= 0x477ff000u) return (sy_half)(sign | 0x7c00); /* rounds past 65504: inf */
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half, m 2^-24 */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (sy_half)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    }
+    const uint32_t rounded = ax + 0xfff + ((ax >> 13) & 1); /* to nearest, ties to even */
+    return (sy_half)(sign | ((rounded - 0x38000000u) >> 13));
+}
+#endif
+
+/* n floats to half floats. */
+static inline void store_half(sy_half *out, const float *x, int n) {
+    int i = 0;
+#if SY_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = float_to_half(x[i]);
+}
+
 typedef struct {
     float d; /* scale (a half float's value) */
     float m; /* minimum (a half float's value) */
@@ -597,17 +652,17 @@ void sy_silu_mul(const float *gate_up, int rows, int inter, float *out) {
     }
 }
 
-static float dot_f32(const float *a, const float *b, int n) {
+/* a . b for b in half floats. */
+static float dot_half(const float *a, const sy_half *b, int n) {
 #if SY_AVX2
     if (n % 8 == 0) {
         __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < n; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8h(b + i), acc);
         return hsum(acc);
     }
 #endif
     float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    for (int i = 0; i < n; i++) s += a[i] * half_to_float(b[i]);
     return s;
 }
 
@@ -638,7 +693,7 @@ static float softmax_numerators(float *scores, int n, float top) {
  * Attention of one query per row over its slot of the KV cache.
  *
  * q: [rows, heads, hd] with row stride q_stride (floats); kv: one layer of the
- * cache, [slots, 2 * kv_heads, length, hd] (keys, then values); row r attends
+ * cache, [slots, 2 * kv_heads, length, hd] half floats (keys, then values); row r attends
  * positions 0 .. lengths[r] - 1 of slot slots[r]; out: [rows, heads, hd].
  * Each (row, head) is computed alone, in the same order whatever the batch.
  * Returns 0, or -1 if out of memory.
@@ -647,8 +702,8 @@ static float softmax_numerators(float *scores, int n, float top) {
  * attended ATT_ROWS at a time, and the query heads that share a key and value
  * head (grouped-query attention) together: their keys and values are read a
  * tile of ATT_TILE positions at a time, once for all of them, instead of once
- * per row and head (at 2,000 positions a row's keys and values are about 1 MB
- * a head; at 8 decoding rows of 400 positions, reading them once for the 3
+ * per row and head (at 2,000 positions a row's keys and values are about 0.5 MB
+ * a head in half floats; at 8 decoding rows of 400 positions, reading them once for the 3
  * heads of a group took a layer's attention from 262 to 185 us on a 2-core
  * Xeon). Each query's scores, sums and outputs are still
  * computed by the same operations in the same order as for one alone: only
@@ -657,6 +712,11 @@ static float softmax_numerators(float *scores, int n, float top) {
 #define ATT_ROWS 8
 #define ATT_GROUP 8 /* the most query heads sharing one key and value head attended together */
 #define ATT_TILE 64
+/* Positions ahead whose keys and values are prefetched (a few KiB): the
+   hardware's own prefetching left a decoding step's attention waiting on
+   memory at a few hundred positions (-15 to -20 % at 400 and 1,000 positions
+   of 8 and 16 rows on a 2-core Xeon). A prefetch past the end is harmless. */
+#define ATT_AHEAD 32
 
 #if SY_AVX2
 /*
@@ -667,15 +727,19 @@ static float softmax_numerators(float *scores, int n, float top) {
  * same bits.
  */
 static inline void weighted_sum64(const float *scores, float total, int p0, int p1,
-                                  const float *values, int hd, int i0, float *o) {
+                                  const sy_half *values, int hd, int i0, float *o) {
 #if defined(__AVX512F__)
     __m512 acc[4];
     for (int j = 0; j < 4; j++) acc[j] = _mm512_loadu_ps(o + 16 * j);
     for (int p = p0; p < p1; p++) {
         const __m512 w = _mm512_set1_ps(scores[p] / total);
-        const float *v = values + (size_t)p * hd + i0;
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * j)));
+        const sy_half *v = values + (size_t)p * hd + i0;
+        _mm_prefetch((const char *)(v + ATT_AHEAD * hd), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + ATT_AHEAD * hd + 32), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            const __m512 vj = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + 16 * j)));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(w, vj));
+        }
     }
     for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + 16 * j, acc[j]);
 #else
@@ -683,9 +747,10 @@ static inline void weighted_sum64(const float *scores, float total, int p0, int 
     for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
     for (int p = p0; p < p1; p++) {
         const __m256 w = _mm256_set1_ps(scores[p] / total);
-        const float *v = values + (size_t)p * hd + i0;
-        for (int j = 0; j < 8; j++)
-            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * j)));
+        const sy_half *v = values + (size_t)p * hd + i0;
+        _mm_prefetch((const char *)(v + ATT_AHEAD * hd), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + ATT_AHEAD * hd + 32), _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, load8h(v + 8 * j)));
     }
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
 #endif
@@ -705,15 +770,17 @@ static inline __m512 hadd_halves(__m512 a, __m512 b) {
  * 8-wide loop and hsum8 give one query (the same fused multiply-adds per lane,
  * the same pairwise sums in the same order), so the same bits, at twice the width.
  */
-static inline void scores8x2(const float *qa, const float *qb, const float *keys, int p, int hd,
+static inline void scores8x2(const float *qa, const float *qb, const sy_half *keys, int p, int hd,
                              float scale, __m256 *sa, __m256 *sb) {
     __m512 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < 8 * hd; i += 32) /* 32 halves: one cache line */
+        _mm_prefetch((const char *)(keys + (size_t)(p + ATT_AHEAD) * hd + i), _MM_HINT_T0);
     for (int d = 0; d < hd; d += 8) {
         const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + d)),
                                              _mm256_loadu_ps(qb + d), 1);
         for (int j = 0; j < 8; j++) {
-            const __m512 k = _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (size_t)(p + j) * hd + d));
+            const __m512 k = _mm512_broadcast_f32x8(load8h(keys + (size_t)(p + j) * hd + d));
             acc[j] = _mm512_fmadd_ps(qv, k, acc[j]);
         }
     }
@@ -732,7 +799,7 @@ static inline void scores8x2(const float *qa, const float *qb, const float *keys
 #endif
 
 /* One (row, head), as described above. Returns 0, or -1 if out of memory. */
-static int attend_one(const float *qr, const float *keys, const float *values, int n, int hd,
+static int attend_one(const float *qr, const sy_half *keys, const sy_half *values, int n, int hd,
                       float scale, float *o) {
     float local[1024];
     float *scores = n <= 1024 ? local : malloc(sizeof(float) * (size_t)n);
@@ -750,7 +817,7 @@ static int attend_one(const float *qr, const float *keys, const float *values, i
             for (int i = 0; i < hd; i += 8) {
                 const __m256 qv = _mm256_loadu_ps(qr + i);
                 for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + i), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(qv, load8h(keys + (size_t)(p + j) * hd + i), acc[j]);
             }
             const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
             _mm256_storeu_ps(scores + p, sc);
@@ -762,7 +829,7 @@ static int attend_one(const float *qr, const float *keys, const float *values, i
     }
 #endif
     for (int tail = p; tail < n; tail++) {
-        scores[tail] = dot_f32(qr, keys + (size_t)tail * hd, hd) * scale;
+        scores[tail] = dot_half(qr, keys + (size_t)tail * hd, hd) * scale;
         top = scores[tail] > top ? scores[tail] : top;
     }
     total = softmax_numerators(scores, n, top);
@@ -777,8 +844,9 @@ static int attend_one(const float *qr, const float *keys, const float *values, i
 #endif
     for (int i = i0; i < hd; i++) o[i] = 0.0f;
     for (int p = 0; p < n && i0 < hd; p++) {
-        const float w = scores[p] / total, *v = values + (size_t)p * hd;
-        for (int i = i0; i < hd; i++) o[i] += w * v[i];
+        const float w = scores[p] / total;
+        const sy_half *v = values + (size_t)p * hd;
+        for (int i = i0; i < hd; i++) o[i] += w * half_to_float(v[i]);
     }
     if (scores != local) free(scores);
     return 0;
@@ -793,7 +861,7 @@ static int attend_one(const float *qr, const float *keys, const float *values, i
  * tile at a time for all queries. Returns 0, or -1 if out of memory.
  */
 static int attend_rows(const float *const *qs, const int *ns, float *const *os, int nr,
-                       const float *keys, const float *values, int hd, float scale) {
+                       const sy_half *keys, const sy_half *values, int hd, float scale) {
     int nmax = 0, all = 0;
     for (int i = 0; i < nr; i++) nmax = ns[i] > nmax ? ns[i] : nmax, all += ns[i];
     float *buffer = malloc(sizeof(float) * (size_t)all);
@@ -830,10 +898,12 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
             for (int p = from[i]; p + 8 <= end; p += 8) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int k = 0; k < 8 * hd && !SCORES_X2; k += 32)
+                    _mm_prefetch((const char *)(keys + (size_t)(p + ATT_AHEAD) * hd + k), _MM_HINT_T0);
                 for (int d = 0; d < hd; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qs[i] + d);
                     for (int j = 0; j < 8; j++)
-                        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (size_t)(p + j) * hd + d), acc[j]);
+                        acc[j] = _mm256_fmadd_ps(qv, load8h(keys + (size_t)(p + j) * hd + d), acc[j]);
                 }
                 const __m256 sc = _mm256_mul_ps(hsum8(acc), sv);
                 _mm256_storeu_ps(scores[i] + p, sc);
@@ -847,7 +917,7 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
         _mm256_storeu_ps(t8, tops[i]);
         for (int j = 0; j < 8; j++) top = t8[j] > top ? t8[j] : top;
         for (int tail = n / 8 * 8; tail < n; tail++) {
-            scores[i][tail] = dot_f32(qs[i], keys + (size_t)tail * hd, hd) * scale;
+            scores[i][tail] = dot_half(qs[i], keys + (size_t)tail * hd, hd) * scale;
             top = scores[i][tail] > top ? scores[i][tail] : top;
         }
         total[i] = softmax_numerators(scores[i], n, top);
@@ -867,7 +937,7 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
 
 /* nq queries over the same keys and values (attend_rows, or attend_one for one). */
 static int attend_queries(const float *const *qs, const int *ns, float *const *os, int nq,
-                          const float *keys, const float *values, int hd, float scale) {
+                          const sy_half *keys, const sy_half *values, int hd, float scale) {
 #if SY_AVX2
     if (nq > 1) return attend_rows(qs, ns, os, nq, keys, values, hd, scale);
 #endif
@@ -875,7 +945,7 @@ static int attend_queries(const float *const *qs, const int *ns, float *const *o
 }
 
 int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int kv_heads, int hd,
-                        const float *kv, int length, const int64_t *slots,
+                        const sy_half *kv, int length, const int64_t *slots,
                         const int64_t *lengths, float scale, float *out) {
     const int group = heads / kv_heads;
     const size_t head_size = (size_t)length * hd, slot_size = 2 * (size_t)kv_heads * head_size;
@@ -898,8 +968,8 @@ int sy_decode_attention(const float *q, int rows, int q_stride, int heads, int k
     for (int task = 0; task < tasks; task++) {
         const int run = task / (heads / per), h0 = task % (heads / per) * per, g = h0 / group;
         const int r0 = starts[run], nr = starts[run + 1] - r0;
-        const float *keys = kv + (size_t)slots[r0] * slot_size + (size_t)g * head_size;
-        const float *values = keys + (size_t)kv_heads * head_size;
+        const sy_half *keys = kv + (size_t)slots[r0] * slot_size + (size_t)g * head_size;
+        const sy_half *values = keys + (size_t)kv_heads * head_size;
         const float *qs[ATT_ROWS * ATT_GROUP];
         float *os[ATT_ROWS * ATT_GROUP];
         int ns[ATT_ROWS * ATT_GROUP], nq = 0;
@@ -936,18 +1006,17 @@ static inline void rope_head(float *x, const float *f, int half) {
 
 void sy_rope_store(float *qkv, int rows, int row_stride, int heads, int kv_heads, int hd,
                    const int64_t *positions, const int64_t *slots, const float *freqs,
-                   float *kv, int length) {
+                   sy_half *kv, int length) {
     const int rotated = heads + kv_heads, half = hd / 2;
 #pragma omp parallel for schedule(static) if (rows > 8 && !omp_in_parallel())
     for (int r = 0; r < rows; r++) {
         float *row = qkv + (size_t)r * row_stride;
         const float *f = freqs + (size_t)positions[r] * hd;
         for (int h = 0; h < rotated; h++) rope_head(row + (size_t)h * hd, f, half);
-        float *slot = kv + (size_t)slots[r] * 2 * kv_heads * length * hd;
-        for (int h = 0; h < 2 * kv_heads; h++) {
-            memcpy(slot + ((size_t)h * length + (size_t)positions[r]) * hd,
-                   row + (size_t)(heads + h) * hd, sizeof(float) * (size_t)hd);
-        }
+        sy_half *slot = kv + (size_t)slots[r] * 2 * kv_heads * length * hd;
+        for (int h = 0; h < 2 * kv_heads; h++)
+            store_half(slot + ((size_t)h * length + (size_t)positions[r]) * hd,
+                       row + (size_t)(heads + h) * hd, hd);
     }
 }
 
@@ -964,7 +1033,7 @@ typedef struct {
     float eps1, eps2;
     const float *qkv_bias; /* NULL: none */
     sy_matrix qkv, o, gate_up, down;
-    float *kv; /* this layer's cache, [slots, 2 * kv_heads, length, hd] */
+    sy_half *kv; /* this layer's cache, [slots, 2 * kv_heads, length, hd], half floats */
 } sy_layer;
 
 int sy_layer_size(void) { return (int)sizeof(sy_layer); }
@@ -1100,12 +1169,11 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
                 for (int part = 0; part < 2; part++)
                     for (int j = 0; j < count_of[part]; j++)
                         rope_head(row + (size_t)(heads_of[part] + j) * hd, f, half);
-                float *keys = L->kv + (size_t)slots[r] * slot_size + (size_t)g * head_size;
-                float *values = keys + (size_t)kv_heads * head_size;
-                memcpy(keys + (size_t)positions[r] * hd, row + (size_t)(heads + g) * hd,
-                       sizeof(float) * (size_t)hd);
-                memcpy(values + (size_t)positions[r] * hd,
-                       row + (size_t)(heads + kv_heads + g) * hd, sizeof(float) * (size_t)hd);
+                sy_half *keys = L->kv + (size_t)slots[r] * slot_size + (size_t)g * head_size;
+                sy_half *values = keys + (size_t)kv_heads * head_size;
+                store_half(keys + (size_t)positions[r] * hd, row + (size_t)(heads + g) * hd, hd);
+                store_half(values + (size_t)positions[r] * hd, row + (size_t)(heads + kv_heads + g) * hd,
+                           hd);
                 const float *qs[ATT_GROUP];
                 float *os[ATT_GROUP];
                 int ns[ATT_GROUP];

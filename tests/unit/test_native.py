@@ -102,14 +102,16 @@ def test_norm_activation_and_decode_attention_match_pytorch() -> None:
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
     heads, kv_heads, hd, length = 4, 2, 16, 40
-    kv = torch.randn(3, 2 * kv_heads, length, hd, generator=gen)
+    # The kernels' cache holds half floats; the reference reads the same values.
+    kv = torch.randn(3, 2 * kv_heads, length, hd, generator=gen).to(native.KV_DTYPE)
     q = torch.randn(2, heads, hd, generator=gen)
     slots = torch.tensor([2, 0])
     lengths = torch.tensor([7, 33])
     got = ops.decode_attention(q, kv, kv_heads, slots, lengths, hd**-0.5)
     for row in range(2):
         slot, n = int(slots[row]), int(lengths[row])
-        keys, values = kv[slot : slot + 1, :kv_heads, :n], kv[slot : slot + 1, kv_heads:, :n]
+        exact = kv.float()
+        keys, values = exact[slot : slot + 1, :kv_heads, :n], exact[slot : slot + 1, kv_heads:, :n]
         want = F.scaled_dot_product_attention(
             q[row][None, :, None], keys, values, scale=hd**-0.5, enable_gqa=True
         )
@@ -118,6 +120,30 @@ def test_norm_activation_and_decode_attention_match_pytorch() -> None:
             q[row : row + 1], kv, kv_heads, slots[row : row + 1], lengths[row : row + 1], hd**-0.5
         )
         assert torch.equal(alone[0], got[row])
+    with pytest.raises(ValueError, match="KV cache"):
+        ops.decode_attention(q, kv.float(), kv_heads, slots, lengths, hd**-0.5)
+
+
+def test_the_cache_stores_keys_and_values_as_rounded_half_floats() -> None:
+    """sy_rope_store writes each row's keys and values to its slot and position as
+    float16, rounded to nearest even like PyTorch's cast, and leaves the rest."""
+    assert lib is not None
+    ops = native.Ops(lib)
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, hd, length = 2, 1, 16, 8
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * hd, generator=gen) * 300
+    qkv[0, -hd:] = torch.tensor([65519.0, 65520.0, 1e-7, -3e-8, 2.0**-24, 0.0, -0.0, 1 / 3] * 2)
+    freqs = torch.stack([torch.ones(length, hd // 2), torch.zeros(length, hd // 2)], -1)
+    kv = torch.full((4, 2 * kv_heads, length, hd), 7.0, dtype=native.KV_DTYPE)
+    positions, slots = torch.tensor([5, 0, 2]), torch.tensor([3, 1, 3])
+    ops.rope_store(qkv, heads, kv_heads, positions, slots, freqs, kv)  # cos 1, sin 0: no turn
+    for row in range(3):
+        stored = kv[int(slots[row]), :, int(positions[row])].reshape(-1)
+        expected = qkv[row, heads * hd :].to(native.KV_DTYPE)
+        assert torch.equal(stored.view(torch.int16), expected.view(torch.int16)), row
+    untouched = torch.ones_like(kv, dtype=torch.bool)
+    untouched[slots, :, positions] = False
+    assert bool((kv[untouched] == 7.0).all())
 
 
 def _tiny_llama() -> PreTrainedModel:
