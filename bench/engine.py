@@ -4,6 +4,9 @@
 new tokens from fixed prompts, prints the single-stream tokens/s and, for 1, 4,
 8 and 16 concurrent clients, the aggregate tokens/s, the time to first token
 (p50) and the ratio to single-stream, all measured in the same run.
+``--document N`` puts the first N words of ``bench/quality.txt`` (repeated as
+needed) before every prompt: the same levels at a long context, where
+attention over the KV cache weighs as much as the weights.
 
 :func:`run_engine_bench` returns the rows so a farm benchmark can reuse it.
 """
@@ -29,6 +32,16 @@ PROMPTS = (
     "Write a detailed recipe for a vegetable soup.",
     "Describe how a train journey across the mountains feels.",
 )
+
+
+def with_document(prompts: Sequence[str], words: int) -> list[str]:
+    """``prompts``, each after the first ``words`` words of ``bench/quality.txt``
+    (the text repeated as often as needed) and a blank line."""
+    if words <= 0:
+        return list(prompts)
+    text = (Path(__file__).with_name("quality.txt")).read_text(encoding="utf-8").split()
+    document = " ".join((text * (words // len(text) + 1))[:words])
+    return [f"{document}\n\n{prompt}" for prompt in prompts]
 
 
 def run_engine_bench(
@@ -240,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--prompts", type=int, default=len(PROMPTS), help="how many of the fixed prompts to use"
     )
+    parser.add_argument(
+        "--document",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="put this many words of bench/quality.txt before every prompt (a long context)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
         "--compare",
@@ -268,13 +288,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"loaded {args.model} in {time.perf_counter() - started:.1f}s "
         f"({loaded.device}, {loaded.dtype}, torch threads {torch.get_num_threads()})"
     )
-    print(format_table([], f"engine: {args.model}, greedy, {args.max_new_tokens} new tokens"))
+    prompts = with_document(PROMPTS[: args.prompts], args.document)
+    title = f"engine: {args.model}, greedy, {args.max_new_tokens} new tokens"
+    if args.document:
+        lengths = [len(loaded.tokenizer(p)["input_ids"]) for p in prompts]
+        title += f", prompts of {min(lengths)}-{max(lengths)} tokens"
+    print(format_table([], title))
     rows = run_engine_bench(
         loaded,
         concurrencies=args.concurrency,
         max_new_tokens=args.max_new_tokens,
         requests_per_client=args.requests_per_client,
-        prompts=PROMPTS[: args.prompts],
+        prompts=prompts,
         progress=lambda row: print(format_table([row], "").splitlines()[-1], flush=True),
         nice=settings.engine_nice,  # as a worker's engine
     )
@@ -282,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         single = rows[0]["tokens_per_s"]
         copy = load_model(catalog[args.model], catalog, cache, keep_weights=True)
         alternatives = run_alternatives(
-            loaded, copy, max_new_tokens=args.max_new_tokens, prompts=PROMPTS[: args.prompts]
+            loaded, copy, max_new_tokens=args.max_new_tokens, prompts=prompts
         )
         for alt in alternatives:
             print(
