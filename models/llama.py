@@ -39,6 +39,7 @@ from models.quant import (
     NativeLinear,
     int4_supported,
     native_library,
+    place_on_huge_pages,
 )
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -153,6 +154,9 @@ class SlotCache:
 
 
 class _Layer:
+    LINEARS = ("qkv", "o", "gate_up", "down")
+    """The attributes holding the layer's :class:`~models.quant.Linear` weights."""
+
     def __init__(
         self,
         layer: Any,
@@ -241,6 +245,9 @@ class LlamaRuntime:
         self.norm = inner.norm.weight.detach().to(self.residual, copy=True)
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = make_head(model.get_output_embeddings().weight)
+        if lib is not None:
+            linears = [getattr(layer, name) for layer in self.layers for name in _Layer.LINEARS]
+            place_on_huge_pages([*linears, self.lm_head])
         self.vocab_size = int(self.lm_head.out_features)
         self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.heads)
         self.hidden = hidden

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -373,6 +374,22 @@ def pack_blocks(
         qs = codes[..., :half] | (codes[..., half:] << 4)
         return torch.cat([_float_bytes(d), _float_bytes(m), qs], dim=-1).contiguous()
     return torch.cat([_float_bytes(d), codes.view(torch.uint8)], dim=-1).contiguous()
+
+
+def place_on_huge_pages(linears: Sequence[Any]) -> None:
+    """Move the codes and scales of every :class:`NativeLinear` among ``linears`` into
+    one arena of transparent huge pages (:func:`models.native.on_huge_pages`):
+    a decoding step streams them all."""
+    held = [
+        (linear, name)
+        for linear in linears
+        if isinstance(linear, NativeLinear)
+        for name in ("codes", "d", "m")
+        if isinstance(getattr(linear, name, None), torch.Tensor)
+    ]
+    copies = native.on_huge_pages([getattr(linear, name) for linear, name in held])
+    for (linear, name), copy in zip(held, copies, strict=True):
+        setattr(linear, name, copy)
 
 
 def pack_panels(

@@ -20,7 +20,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from models import native
 from models.llama import Chunk, LlamaRuntime, StepInput
-from models.quant import GROUP_SIZE, PANEL_WIDTH, Int4Linear, NativeLinear, pack_q4_1
+from models.quant import (
+    GROUP_SIZE,
+    PANEL_WIDTH,
+    Int4Linear,
+    NativeLinear,
+    pack_q4_1,
+    place_on_huge_pages,
+)
 from tests.unit.test_llama_runtime import SHAPE, _model
 
 lib = native.library()
@@ -314,3 +321,32 @@ def test_the_setting_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> N
     for value, on in (("0", False), ("false", False), ("1", True), ("true", True)):
         monkeypatch.setenv("SWITCHYARD_NATIVE_KERNELS", value)
         assert native.enabled() is on
+
+
+def test_weights_on_huge_pages_give_the_same_products() -> None:
+    """place_on_huge_pages moves the codes and scales into one arena (64-byte
+    aligned, the arena on a 2 MiB boundary) and the products keep their bits."""
+    assert lib is not None
+    gen = torch.Generator().manual_seed(2)
+    layers = [
+        NativeLinear(torch.randn(48, 64, generator=gen), NativeLinear.Q4_1, lib),
+        NativeLinear(torch.randn(32, 96, generator=gen), NativeLinear.Q8_0, lib),
+    ]
+    xs = [torch.randn(5, layer.in_features, generator=gen) for layer in layers]
+    before = [layer(x) for layer, x in zip(layers, xs, strict=True)]
+    held = [
+        t.clone()
+        for layer in layers
+        for t in (layer.codes, getattr(layer, "d", None))
+        if t is not None
+    ]
+    place_on_huge_pages(layers)
+    moved = [
+        t for layer in layers for t in (layer.codes, getattr(layer, "d", None)) if t is not None
+    ]
+    assert all(
+        torch.equal(a, b) and b.data_ptr() % 64 == 0 for a, b in zip(held, moved, strict=True)
+    )
+    assert moved[0].data_ptr() % native.HUGE_PAGE == 0
+    for layer, x, want in zip(layers, xs, before, strict=True):
+        assert torch.equal(layer(x), want)
