@@ -387,6 +387,8 @@ def place_on_huge_pages(linears: Sequence[Any]) -> None:
         for name in ("codes", "d", "m")
         if isinstance(getattr(linear, name, None), torch.Tensor)
     ]
+    if not held:
+        return
     copies = native.on_huge_pages([getattr(linear, name) for linear, name in held])
     for (linear, name), copy in zip(held, copies, strict=True):
         setattr(linear, name, copy)

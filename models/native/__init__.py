@@ -389,7 +389,7 @@ def huge_page_arena(nbytes: int) -> torch.Tensor:
     miss every 4 KiB, and on Linux's usual setting
     (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise``) a plain
     allocation never gets 2 MiB pages. With the default model's weights on
-    huge pages, decoding steps of 1 to 16 rows took 4-12 % less time on a
+    huge pages, decoding steps of 1 to 16 rows took 1-12 % less time on a
     2-core Xeon (the same process, the two placements alternated). The
     memory is a private anonymous mapping, 2 MiB-aligned and advised
     ``MADV_HUGEPAGE``; where huge pages are off (``never``) it is ordinary
