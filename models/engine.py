@@ -143,9 +143,12 @@ class RequestHandle:
         self._seq = seq
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._finish: FinishEvent | None = None
+        self._finished = threading.Event()  # the FinishEvent is in the queue
 
     def _put(self, event: Event) -> None:
         self._events.put(event)
+        if isinstance(event, FinishEvent):
+            self._finished.set()
 
     def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event, waiting up to ``timeout`` seconds (``None``: forever).
@@ -162,6 +165,34 @@ class RequestHandle:
         if isinstance(event, FinishEvent):
             self._finish = event
         return event
+
+    def next_events(
+        self, timeout: float | None = None, *, until_finished: bool = False
+    ) -> list[Event]:
+        """Every event there is, waiting up to ``timeout`` seconds when there is none.
+
+        The wait ends at the first event, or with ``until_finished`` at the
+        :class:`FinishEvent` only: token events that arrive meanwhile wait in
+        the queue and are returned together at the end of the wait. A caller
+        that gathers tokens before it passes them on (the worker's job
+        threads, :mod:`workers.runner`) then wakes once per gathering window
+        instead of once per token, leaving the cores to the engine's step.
+        Returns ``[]`` on timeout; the :class:`FinishEvent`, when returned, is
+        last, and every later call returns it alone.
+        """
+        if self._finish is None and until_finished and self._events.empty():
+            self._finished.wait(timeout)
+            timeout = 0
+        first = self.next_event(timeout)
+        if first is None:
+            return []
+        events = [first]
+        while self._finish is None:
+            event = self.next_event(0)
+            if event is None:
+                break
+            events.append(event)
+        return events
 
     def __iter__(self) -> Iterator[Event]:
         """Every remaining event, ending after the :class:`FinishEvent`."""

@@ -3,7 +3,10 @@
 It is what the Celery task calls, and knows nothing of Celery: claim the row
 (a duplicate delivery loses the claim and is dropped), submit to the engine,
 publish coalesced token events, honour cancellation, write the outcome and
-its metrics.
+its metrics. While a job's text waits to be published, its thread sleeps until
+the window ends or the request finishes: tokens that arrive meanwhile wait in
+the engine's handle, so the thread wakes once a window, not once a token, and
+leaves the cores (and the GIL) to the engine's step.
 
 Continuation: a job run again (its worker was lost, a drain handed it back,
 its outcome could not be written) goes on from what its stream already holds.
@@ -107,7 +110,9 @@ class JobStreams(Protocol):
 class Generation(Protocol):
     """One submitted request (:class:`models.engine.RequestHandle`)."""
 
-    def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None: ...
+    def next_events(
+        self, timeout: float | None = None, *, until_finished: bool = False
+    ) -> list[TokenEvent | FinishEvent]: ...
     def cancel(self) -> None: ...
 
 
@@ -238,6 +243,17 @@ class _Stream:
         )
         self.cancel_read = True
         self.cancel_seen = self.cancel_seen or cancel
+
+
+def _joined(events: list[TokenEvent | FinishEvent]) -> TokenEvent | None:
+    """The token events of ``events`` as one (their text and ids in order), or None."""
+    tokens = [event for event in events if isinstance(event, TokenEvent)]
+    if len(tokens) <= 1:
+        return tokens[0] if tokens else None
+    return TokenEvent(
+        "".join(event.text for event in tokens),
+        [token for event in tokens for token in event.token_ids],
+    )
 
 
 class JobRunner:
@@ -466,8 +482,11 @@ class JobRunner:
             wait = CANCEL_POLL_S
             if stream.pending:
                 wait = max(0.0, min(wait, stream.pending_since + coalesce_s - now))
-            event = handle.next_event(timeout=wait)
+            # While text waits to be published, tokens join it without waking this
+            # thread: it wakes at the window's end (or the finish), not at each token.
+            events = handle.next_events(timeout=wait, until_finished=bool(stream.pending))
             now = self._clock()
+            event = _joined(events)
             if isinstance(event, TokenEvent) and drained_at is not None and not user_cancelled:
                 pass  # handed back: the next attempt generates it again (module docstring)
             elif isinstance(event, TokenEvent):
@@ -491,13 +510,14 @@ class JobRunner:
                 # it and costs a wake-up.
                 if first or (gap is not None and gap >= coalesce_s):
                     stream.flush()
-            elif isinstance(event, FinishEvent):
+            if events and isinstance(events[-1], FinishEvent):
+                finish = events[-1]
                 stream.flush()
                 drained = drained_at is not None and not user_cancelled
-                if drained and event.finish_reason == "cancelled":
+                if drained and finish.finish_reason == "cancelled":
                     self._requeue(job, stream)
                     return
-                self._finish(job, stream, event, first_token_at, timed_out, batch)
+                self._finish(job, stream, finish, first_token_at, timed_out, batch)
                 return
             if stream.pending and now - stream.pending_since >= coalesce_s:
                 stream.flush()

@@ -395,6 +395,37 @@ def test_cancel_ends_the_request_and_frees_its_slot(make_engine: MakeEngine) -> 
     assert running.next_event(timeout=0) == finish
 
 
+def test_next_events_gathers_tokens_until_the_finish_or_the_end_of_the_wait(
+    make_engine: MakeEngine, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiny, "step_delay_s", 0.01)  # a token every 10 ms or more
+    engine = make_engine(max_batch_size=1)
+    p = prompts(engine, 1)[0]
+    handle = engine.submit(GenerationRequest("short", p, GREEDY_N(20)))
+    first = handle.next_events(timeout=30)  # the wait ends at the first event
+    assert len(first) >= 1 and all(isinstance(e, TokenEvent) for e in first)
+    # With until_finished only the finish ends the wait: the tokens that came
+    # meanwhile are returned with it, in order.
+    rest = handle.next_events(timeout=30, until_finished=True)
+    finish = rest[-1]
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+    tokens = [e for e in first + rest[:-1] if isinstance(e, TokenEvent)]
+    assert len(tokens) == len(first) + len(rest) - 1
+    assert "".join(e.text for e in tokens) == finish.text
+    assert len(rest) > 2  # several tokens gathered: no return at the first of them
+    assert handle.next_events(timeout=0) == [finish]  # and again, alone
+
+    # Or the timeout ends it, with what came so far and no finish.
+    long = engine.submit(GenerationRequest("long", p, GREEDY_N(3000)))
+    assert long.next_events(timeout=30)
+    started = time.monotonic()
+    gathered = long.next_events(timeout=0.3, until_finished=True)
+    assert time.monotonic() - started >= 0.25
+    assert len(gathered) > 2 and all(isinstance(e, TokenEvent) for e in gathered)
+    long.cancel()
+    assert drain(long)[1].finish_reason == "cancelled"
+
+
 def thread_nice(native_id: int) -> int:
     """A thread's nice value, from /proc (field 19 of its stat line)."""
     stat = Path(f"/proc/self/task/{native_id}/stat").read_text()

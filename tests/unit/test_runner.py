@@ -193,6 +193,23 @@ class ScriptedGeneration:
         self.sent += 1
         return TokenEvent(text, [100 + len(self.text)])
 
+    def next_events(
+        self, timeout: float | None = None, *, until_finished: bool = False
+    ) -> list[TokenEvent | FinishEvent]:
+        """As the engine's handle: what is due now, else a wait for the next event
+        (``until_finished``: the tokens due meanwhile gather until the finish or
+        the timeout)."""
+        end = self.clock.now + (timeout if timeout is not None else float("inf"))
+        events: list[TokenEvent | FinishEvent] = []
+        while not (events and isinstance(events[-1], FinishEvent)):
+            # After the first event, only what is due already (unless gathering).
+            wait = 0.0 if events and not until_finished else max(0.0, end - self.clock.now)
+            event = self.next_event(wait)
+            if event is None:
+                break
+            events.append(event)
+        return events
+
     def cancel(self) -> None:
         self.cancelled = True
 
