@@ -255,6 +255,27 @@ def test_dockerfile_rules(path: Path) -> None:
     assert "HEALTHCHECK" in order, f"{path.name}: no HEALTHCHECK"
 
 
+def test_images_build_the_postgres_driver_from_source(tmp_path: Path) -> None:
+    """Every image installs its requirements through docker/install-requirements.sh,
+    whose rewrite turns the development installs' psycopg2-binary into psycopg2
+    (built against Debian's libpq, as its authors advise for production)."""
+    script = DOCKER / "install-requirements.sh"
+    for path in _dockerfiles():
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
+        runs = [line for line in text.splitlines() if line.startswith("RUN ")]
+        assert any("sh install-requirements.sh requirements" in run for run in runs), path.name
+        assert not any(re.search(r"pip install (-r|--requirement)", run) for run in runs), path.name
+    (sed,) = [line for line in script.read_text().splitlines() if line.startswith("sed -i ")]
+    (tmp_path / "requirements-api.txt").write_text(
+        (PROJECT_ROOT / "requirements-api.txt").read_text()
+    )
+    subprocess.run(["sh", "-c", sed], cwd=tmp_path, check=True)
+    rewritten = (tmp_path / "requirements-api.txt").read_text().splitlines()
+    assert "psycopg2>=2.9" in rewritten
+    assert not [line for line in rewritten if line.startswith("psycopg2-binary")]
+    assert "psycopg2-binary>=2.9" in (PROJECT_ROOT / "requirements-api.txt").read_text()
+
+
 def test_images_have_the_projects_python() -> None:
     """Each image's base ships a Python that ``requires-python`` accepts; none adds another.
 
