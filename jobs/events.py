@@ -133,6 +133,18 @@ return 1
 """
 
 
+def _first_copies(entries: _Entries, after: int) -> list[JobEvent]:
+    """The events of a stream's ``entries`` with ``seq > after``, in order, each seq once."""
+    events = []
+    last = after
+    for _id, fields in entries:
+        event = JobEvent.from_json(fields[b"e"])
+        if event.seq > last:
+            events.append(event)
+            last = event.seq
+    return events
+
+
 class EventLog:
     """Append to and read from job event streams in one Redis."""
 
@@ -167,14 +179,20 @@ class EventLog:
     def owner_key(self, job_id: str) -> str:
         return self.settings.key("owner", job_id)
 
-    def take(self, job_id: str, owner: str) -> None:
-        """Make ``owner`` (one attempt of the job) the only fenced writer of its stream.
+    def take(self, job_id: str, owner: str) -> list[JobEvent]:
+        """Make ``owner`` (one attempt of the job) the only fenced writer of its
+        stream, and return the stream's history (:meth:`history`).
 
-        Called by a worker right after it claims the job and before it reads
-        the history: a write of an earlier attempt that was still on its way
-        lands before this (and is in the history read after it) or is refused.
+        Called by a worker right after it claims the job. Both happen in one
+        transaction, one round trip: a write of an earlier attempt that was
+        still on its way lands before them (and is in the history returned) or
+        is refused.
         """
-        self.redis.set(self.owner_key(job_id), owner, ex=self.settings.stream_ttl_s)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.owner_key(job_id), owner, ex=self.settings.stream_ttl_s)
+        pipe.xrange(self.channel(job_id))
+        _, entries = pipe.execute()
+        return _first_copies(cast(_Entries, entries), -1)
 
     def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool:
         """:meth:`append`, only while ``owner`` holds the stream; else :class:`StreamTaken`.
@@ -198,15 +216,7 @@ class EventLog:
         A writer that retried after a Redis error may have stored an event
         twice; only its first copy is returned.
         """
-        entries = cast(_Entries, self.redis.xrange(self.channel(job_id)))
-        events = []
-        last = after
-        for _id, fields in entries:
-            event = JobEvent.from_json(fields[b"e"])
-            if event.seq > last:
-                events.append(event)
-                last = event.seq
-        return events
+        return _first_copies(cast(_Entries, self.redis.xrange(self.channel(job_id))), after)
 
     def last_seq(self, job_id: str) -> int:
         """The seq of the newest event, or -1 for an empty stream."""

@@ -27,9 +27,9 @@ attempt that said it started but not what it continued, and the next
 attempt's ``resumed`` would name that worker, which carried nothing, as the
 previous one. A first run writes ``started`` at once.
 
-Fencing: right after the claim, the attempt takes the stream
-(:meth:`EventLog.take`) before it reads the history, and writes only while it
-holds it. A worker taken for lost while it still runs (a long pause) can then
+Fencing: right after the claim, the attempt takes the stream and reads its
+history in the same transaction (:meth:`EventLog.take`), and writes only while
+it holds it. A worker taken for lost while it still runs (a long pause) can then
 neither add tokens the next attempt did not carry over nor interleave with
 it: its write is refused (:class:`StreamTaken`) and it drops the job.
 
@@ -101,8 +101,7 @@ class JobStreams(Protocol):
 
     def append(self, job_id: str, events: list[JobEvent]) -> None: ...
     def append_fenced(self, job_id: str, events: list[JobEvent], owner: str) -> bool: ...
-    def take(self, job_id: str, owner: str) -> None: ...
-    def history(self, job_id: str, after: int = -1) -> list[JobEvent]: ...
+    def take(self, job_id: str, owner: str) -> list[JobEvent]: ...
     def next_seq(self, job_id: str) -> int: ...
     def cancel_requested(self, job_id: str) -> bool: ...
 
@@ -335,11 +334,12 @@ class JobRunner:
         )
         try:
             self._record_start(job)
-            # Fence first, then read: an earlier attempt's late write is either
-            # in this history or refused, never after it (StreamTaken).
+            # Fence and read in one transaction: an earlier attempt's late write is
+            # either in this history or refused, never after it (StreamTaken).
             owner = f"{self.worker_id}/{uuid.uuid4().hex}"
-            retry_redis(job_id, "take its stream", lambda: self.events.take(job_id, owner))
-            history = retry_redis(job_id, "read its stream", lambda: self.events.history(job_id))
+            history = retry_redis(
+                job_id, "take and read its stream", lambda: self.events.take(job_id, owner)
+            )
             next_seq = max(history[-1].seq + 1 if history else 0, 1)
             stream = _Stream(self.events, job_id, next_seq, owner=owner)
             # Written with what follows it (module docstring).

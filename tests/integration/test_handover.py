@@ -249,11 +249,12 @@ def test_a_fenced_write_reads_the_jobs_cancel_request_and_refuses_another_owner(
     def token(seq: int) -> list[JobEvent]:
         return [JobEvent(seq=seq, type="token", fields={"text": "x", "ids": [1]})]
 
-    events.take(job_id, "attempt-1")
+    assert events.take(job_id, "attempt-1") == []  # an empty stream: no history
     assert events.append_fenced(job_id, token(1), "attempt-1") is False
     events.request_cancel(job_id)
     assert events.append_fenced(job_id, token(2), "attempt-1") is True
-    events.take(job_id, "attempt-2")
+    # Taking the stream returns its history, read in the same transaction.
+    assert events.take(job_id, "attempt-2") == token(1) + token(2)
     with pytest.raises(StreamTaken):
         events.append_fenced(job_id, token(3), "attempt-1")
     assert [e.seq for e in events.history(job_id)] == [1, 2]

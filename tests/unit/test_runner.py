@@ -122,8 +122,9 @@ class FakeStreams:
         self.append(job_id, events)
         return self.cancel_requested(job_id)  # read in the same round trip, as EventLog
 
-    def take(self, job_id: str, owner: str) -> None:
+    def take(self, job_id: str, owner: str) -> list[JobEvent]:
         self.owners[job_id] = owner
+        return self.history(job_id)
 
     def history(self, job_id: str, after: int = -1) -> list[JobEvent]:
         return [e for e in self.logs.get(job_id, []) if e.seq > after]
