@@ -614,11 +614,13 @@ class Engine:
     def _admit(self) -> None:
         """Give waiting requests free slots, oldest first (their prefill runs in steps)."""
         with self._lock:
-            used = {seq.slot for seq in self._running}
-            free = [slot for slot in range(self.max_batch_size) if slot not in used]
             if self._held_epoch != self._cache.epoch:  # the cache was released
                 self._held = [[] for _ in range(self.max_batch_size)]
                 self._held_epoch = self._cache.epoch
+            if not self._waiting:
+                return
+            used = {seq.slot for seq in self._running}
+            free = [slot for slot in range(self.max_batch_size) if slot not in used]
             while self._waiting and len(self._running) < self._batch_cap and not self._stopping:
                 seq = self._waiting[0]
                 if seq.cancelled:
@@ -768,7 +770,7 @@ class Engine:
         samplers = [s.sampler for s in seqs]
         indices = [len(s.generated) for s in seqs]
         try:
-            return list(sample_rows(samplers, logits, indices))
+            return list(sample_rows(samplers, logits, indices, self.runtime.argmax_rows))
         except Exception:
             picked: list[int | None] = []
             for row, seq in enumerate(seqs):

@@ -347,12 +347,30 @@ class LlamaRuntime:
 
     def _logits(self, step: StepInput, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The logits of ``step.logit_rows``: the last layer's ``delta`` added to those rows
-        of ``x`` only, the final norm, the output layer."""
-        rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
-        if delta is not None:
-            x.index_add_(0, rows, delta.index_select(0, rows).to(x.dtype))
-        last = F.rms_norm(x.index_select(0, rows), (self.hidden,), self.norm, self.norm_eps)
+        of ``x`` only, the final norm, the output layer.
+
+        A step of decoding rows only (the usual one) needs every row, in order:
+        no rows are gathered then, and with the native ops the sum and the norm
+        are one call (``index_add_`` starts an OpenMP region per step).
+        """
+        if len(step.logit_rows) != x.shape[0]:  # rows ascend: all of them is 0..n-1
+            rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)
+            x = x.index_select(0, rows)
+            delta = None if delta is None else delta.index_select(0, rows)
+        if self.ops is not None:
+            last = self.ops.add_rms_norm(x, delta, self.norm, self.norm_eps)
+        else:
+            if delta is not None:
+                x = x + delta.to(x.dtype)
+            last = F.rms_norm(x, (self.hidden,), self.norm, self.norm_eps)
         return self.lm_head(last).float()
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """Each row's ``torch.argmax`` of :meth:`forward`'s logits, in the native
+        kernels where they run (a tenth of a small model's step in PyTorch's)."""
+        if self.ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            return self.ops.argmax_rows(logits)
+        return [int(t) for t in logits.argmax(-1).tolist()]
 
     def _forward_layers_native(self, step: StepInput, cache: SlotCache) -> torch.Tensor:
         """A step, every layer in one call to ``qgemm.c``

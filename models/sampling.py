@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -175,14 +176,23 @@ def _nucleus_head(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, tor
     return logits.sort(descending=True)
 
 
-def sample_rows(samplers: list[Sampler], logits: torch.Tensor, indices: list[int]) -> list[int]:
+def sample_rows(
+    samplers: list[Sampler],
+    logits: torch.Tensor,
+    indices: list[int],
+    argmax: Callable[[torch.Tensor], list[int]] | None = None,
+) -> list[int]:
     """One token per row of ``logits`` ``[rows, vocab]``, with one host transfer.
 
-    Plain greedy rows take one batched argmax; the others sample row by row
-    on the device. Raises what a row's sampler raises; callers that must
-    isolate a bad row call :meth:`Sampler.sample` for it alone.
+    Plain greedy rows take one batched argmax (``argmax``, when given, for a
+    batch of them only: each row's ``torch.argmax``, computed elsewhere); the
+    others sample row by row on the device. Raises what a row's sampler
+    raises; callers that must isolate a bad row call :meth:`Sampler.sample`
+    for it alone.
     """
     if all(s.plain_greedy for s in samplers):
+        if argmax is not None:
+            return argmax(logits)
         return [int(t) for t in logits.argmax(-1).tolist()]
     greedy = logits.argmax(-1)
     picks = [

@@ -150,6 +150,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sy_decode_layers": ([p, i, p, p, i, i, i, i, i, i, p, p, p, p, i, f], i),
         "sy_add_rms_norm": ([p, p, i, i, p, f, p], None),
         "sy_silu_mul": ([p, i, i, p], None),
+        "sy_argmax_rows": ([p, i, i, p], None),
         "sy_decode_attention": ([p, i, i, i, i, i, p, i, p, p, f, p], i),
         "sy_rope_store": ([p, i, i, i, i, i, p, p, p, p, i], None),
     }
@@ -218,6 +219,14 @@ class Ops:
             out.data_ptr(),
         )
         return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """Each row's index of its first largest value (``torch.argmax(-1)``'s) of
+        ``[rows, n]`` float32, contiguous."""
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self.lib.sy_argmax_rows(logits.data_ptr(), rows, n, out.data_ptr())
+        return out.tolist()
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``[rows, 2 * inter]`` (gate, then up)."""

@@ -641,6 +641,60 @@ int sy_pgemm(int kind, const float *x, int rows, int k, const uint8_t *codes, co
 /* -- the layer's other parts, for the same steps ----------------------------- */
 
 /*
+ * The index of a row's first largest value, as torch.argmax gives it (a NaN
+ * counts as the largest, its first one): greedy decoding's token. PyTorch's
+ * own takes about 65 us for a 49,152-word vocabulary on an AVX2 EPYC, a
+ * tenth of a small model's decoding step; this one reads the row once.
+ */
+static int64_t argmax_row(const float *x, int n) {
+#if SY_AVX2
+    if (n >= 8) {
+        __m256 best = _mm256_loadu_ps(x);
+        __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = at;
+        const __m256i eight = _mm256_set1_epi32(8);
+        int i = 8;
+        for (; i + 8 <= n; i += 8) {
+            idx = _mm256_add_epi32(idx, eight);
+            const __m256 v = _mm256_loadu_ps(x + i);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ); /* strictly: a lane keeps its first */
+            best = _mm256_blendv_ps(best, v, gt);
+            at = _mm256_castps_si256(
+                _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+        }
+        if (!_mm256_movemask_ps(nan)) {
+            float bv[8];
+            int32_t bi[8];
+            _mm256_storeu_ps(bv, best);
+            _mm256_storeu_si256((__m256i *)bi, at);
+            float m = bv[0];
+            int64_t k = bi[0];
+            for (int l = 1; l < 8; l++)
+                if (bv[l] > m || (bv[l] == m && bi[l] < k)) m = bv[l], k = bi[l];
+            int tail_nan = 0;
+            for (; i < n; i++) {
+                tail_nan |= isnan(x[i]);
+                if (x[i] > m) m = x[i], k = i;
+            }
+            if (!tail_nan) return k;
+            /* a NaN: the plain scan below finds the first one */
+        }
+    }
+#endif
+    int64_t k = 0;
+    for (int i = 1; i < n && !isnan(x[k]); i++)
+        if (x[i] > x[k] || isnan(x[i])) k = i;
+    return k;
+}
+
+/* out[r] = argmax_row(x[r]) for each of rows rows of n floats. */
+void sy_argmax_rows(const float *x, int rows, int n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows > 1 && !omp_in_parallel())
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * n, n);
+}
+
+/*
  * x[rows, dim] += delta (when delta is not NULL), then
  * out = x / sqrt(mean(x^2) + eps) * weight, row by row (Llama's RMSNorm).
  */

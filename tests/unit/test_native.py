@@ -131,6 +131,29 @@ def test_norm_activation_and_decode_attention_match_pytorch() -> None:
         ops.decode_attention(q, kv.float(), kv_heads, slots, lengths, hd**-0.5)
 
 
+def test_greedy_argmax_picks_pytorchs_index_with_ties_infinities_and_nans() -> None:
+    """Greedy decoding's token: the first largest value's index, a NaN the largest,
+    as ``torch.argmax`` — across the vector loop, its lanes and the tail."""
+    assert lib is not None
+    ops = native.Ops(lib)
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(3, 49152, generator=gen)]
+    for n in (1, 7, 8, 9, 17, 64, 131):
+        cases.append(torch.randn(4, n, generator=gen))
+        cases.append(torch.randint(-2, 2, (4, n), generator=gen).float())  # ties
+        cases.append(torch.full((2, n), float("-inf")))
+        with_nan = torch.randn(4, n, generator=gen)
+        with_nan[:, n // 2] = float("nan")
+        with_nan[1, -1] = float("nan")  # row 1 has two; row 3 only one in the tail
+        with_nan[3, n // 2] = 0.0
+        cases.append(with_nan)
+        with_inf = torch.randn(2, n, generator=gen)
+        with_inf[:, (3 * n) // 4] = float("inf")
+        cases.append(with_inf)
+    for x in cases:
+        assert ops.argmax_rows(x) == x.argmax(-1).tolist(), x
+
+
 def test_the_cache_stores_keys_and_values_as_rounded_half_floats() -> None:
     """sy_rope_store writes each row's keys and values to its slot and position as
     float16, rounded to nearest even like PyTorch's cast, and leaves the rest."""
