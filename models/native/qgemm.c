@@ -390,6 +390,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SY_PANELS 1
 #define PR 4 /* rows per register tile */
+#define TEAM_ROWS 3 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
 
 /* y[r, 16 g .. 16 g + 31] (two lanes groups g, g + 1 when g2) for nr <= PR rows. */
 static inline __attribute__((always_inline)) void panel_tile(
@@ -474,6 +475,10 @@ static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *
 #elif SY_AVX2
 #define SY_PANELS 1
 #define PR 4 /* rows per register tile */
+/* A whole tile: without VNNI the products are bound by the multiply-adds and the
+   weights' unpacking, which one tile of 4 rows shares while split 2 + 2 does
+   not (sy_decode_layers). */
+#define TEAM_ROWS PR
 
 /*
  * The same panels for AVX2 (vpmaddwd: 16 16-bit products summed in pairs into 8
@@ -560,6 +565,7 @@ static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *
 }
 #else
 #define SY_PANELS 0
+#define TEAM_ROWS 3
 #endif
 
 int sy_panels(void) { return SY_PANELS; }
@@ -1308,10 +1314,17 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * same bits. A step with a prompt being prefilled (rows sharing a slot) is
  * split by rows too, and the threads meet once a layer, after every row's
  * keys and values are stored, before any row attends. A step of fewer
- * decoding rows runs in one parallel region (layers_in_team): each product's
- * outputs and each attention are shared out, with 5 barriers a layer. One of
- * fewer rows with a prompt splits each product's outputs between the
- * threads, in a parallel region of its own.
+ * decoding rows, or of TEAM_ROWS at most, runs in one parallel region
+ * (layers_in_team): each product's outputs and each attention are shared
+ * out, with 5 barriers a layer. One of fewer rows with a prompt splits each
+ * product's outputs between the threads, in a parallel region of its own.
+ *
+ * TEAM_ROWS is 4 with AVX2 alone: on a Zen 2 EPYC (2026-12-03, steps of the
+ * same rows, the two libraries taken in turn, medians of 8 rounds) 4 rows
+ * took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows 12.94
+ * against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI the products are
+ * cheap beside reading the weights, and 4 rows split run faster (Zen 4,
+ * 2026-12-03).
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
@@ -1325,7 +1338,7 @@ int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delt
     const int threads = rows / SPLIT_ROWS < team ? rows / SPLIT_ROWS : team;
 #if SY_PANELS
     const int group = heads / kv_heads;
-    if (threads <= 1 && team > 1 && distinct && rows <= PRIVATE_ROWS &&
+    if ((threads <= 1 || rows <= TEAM_ROWS) && team > 1 && distinct && rows <= PRIVATE_ROWS &&
         group <= ATT_GROUP)
         return layers_in_team(layers, n_layers, x, delta, rows, hidden, heads, kv_heads, hd, inter,
                               positions, slots, lengths, freqs, length, scale, team);

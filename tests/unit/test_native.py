@@ -227,9 +227,10 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
 def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> None:
     """Eight decoding rows on two threads: each thread takes four rows through every
     layer (``sy_decode_layers``' split); three rows, or one, are too few to split and
-    share one parallel region for the whole step (``layers_in_team``). Every row's
-    logits are those it gets decoded alone and those of the layer-by-layer path. Heads
-    of 64 are attended a group at a time (``attend_rows``), others one by one."""
+    share one parallel region for the whole step (``layers_in_team``), four too where
+    the kernels are AVX2's (one register tile), five split 3 + 2. Every row's logits
+    are those it gets decoded alone and those of the layer-by-layer path. Heads of 64
+    are attended a group at a time (``attend_rows``), others one by one."""
     torch.manual_seed(0)
     heads = 2  # sharing one key and value head
     shape = {**SHAPE, "hidden_size": heads * head_dim, "num_attention_heads": heads}
@@ -267,6 +268,8 @@ def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> N
             for row, slot in enumerate(order):
                 assert torch.equal(decode([slot])[0], together[row])
             assert torch.equal(few, together[:3])
+            for n in (4, 5):
+                assert torch.equal(decode(order[:n]), together[:n])
             fused = runtime.native_layers
             runtime.native_layers = None
             try:
