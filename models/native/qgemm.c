@@ -1323,8 +1323,8 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * same rows, the two libraries taken in turn, medians of 8 rounds) 4 rows
  * took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows 12.94
  * against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI the products are
- * cheap beside reading the weights, and 4 rows split run faster (Zen 4,
- * 2026-12-03).
+ * cheap beside reading the weights: an A/B on a Zen 4 EPYC the same day found
+ * the region slower than the split at 4 rows, so the region keeps 1-3 there.
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
