@@ -351,7 +351,7 @@ class LlamaRuntime:
 
         A step of decoding rows only (the usual one) needs every row, in order:
         no rows are gathered then, and with the native ops the sum and the norm
-        are one call (``index_add_`` starts an OpenMP region per step).
+        are one call.
         """
         if len(step.logit_rows) != x.shape[0]:  # rows ascend: all of them is 0..n-1
             rows = torch.tensor(step.logit_rows, dtype=torch.long, device=self.device)

@@ -184,11 +184,11 @@ def sample_rows(
 ) -> list[int]:
     """One token per row of ``logits`` ``[rows, vocab]``, with one host transfer.
 
-    Plain greedy rows take one batched argmax (``argmax``, when given, for a
-    batch of them only: each row's ``torch.argmax``, computed elsewhere); the
-    others sample row by row on the device. Raises what a row's sampler
-    raises; callers that must isolate a bad row call :meth:`Sampler.sample`
-    for it alone.
+    Plain greedy rows take one batched argmax (``argmax``, when given,
+    computes ``torch.argmax(-1)``'s indices for a batch of such rows only,
+    e.g. in the native kernels); the others sample row by row on the device.
+    Raises what a row's sampler raises; callers that must isolate a bad row
+    call :meth:`Sampler.sample` for it alone.
     """
     if all(s.plain_greedy for s in samplers):
         if argmax is not None:
