@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from models import native
+from models import native, sampling
 from models.quant import (
     DenseLinear,
     Int4Linear,
@@ -370,7 +370,7 @@ class LlamaRuntime:
         kernels where they run (a tenth of a small model's step in PyTorch's)."""
         if self.ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
             return self.ops.argmax_rows(logits)
-        return [int(t) for t in logits.argmax(-1).tolist()]
+        return sampling.argmax_rows(logits)
 
     def _forward_layers_native(self, step: StepInput, cache: SlotCache) -> torch.Tensor:
         """A step, every layer in one call to ``qgemm.c``

@@ -176,24 +176,28 @@ def _nucleus_head(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, tor
     return logits.sort(descending=True)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's ``torch.argmax`` of ``logits`` ``[rows, vocab]``, in one host transfer."""
+    return [int(t) for t in logits.argmax(-1).tolist()]
+
+
 def sample_rows(
     samplers: list[Sampler],
     logits: torch.Tensor,
     indices: list[int],
-    argmax: Callable[[torch.Tensor], list[int]] | None = None,
+    argmax: Callable[[torch.Tensor], list[int]] = argmax_rows,
 ) -> list[int]:
     """One token per row of ``logits`` ``[rows, vocab]``, with one host transfer.
 
-    Plain greedy rows take one batched argmax (``argmax``, when given,
-    computes ``torch.argmax(-1)``'s indices for a batch of such rows only,
-    e.g. in the native kernels); the others sample row by row on the device.
+    A batch of plain greedy rows takes one batched ``argmax`` (:func:`argmax_rows`'s
+    indices, computed where the caller has them fastest: the native kernels'
+    :meth:`models.llama.LlamaRuntime.argmax_rows`); otherwise the greedy rows
+    take one ``torch.argmax`` and the others sample row by row on the device.
     Raises what a row's sampler raises; callers that must isolate a bad row
     call :meth:`Sampler.sample` for it alone.
     """
     if all(s.plain_greedy for s in samplers):
-        if argmax is not None:
-            return argmax(logits)
-        return [int(t) for t in logits.argmax(-1).tolist()]
+        return argmax(logits)
     greedy = logits.argmax(-1)
     picks = [
         greedy[row] if s.plain_greedy else s.sample(logits[row], indices[row])
