@@ -93,7 +93,7 @@ def test_q4_1_blocks_hold_a_gguf_q4_1_weight_exactly() -> None:
     assert blocks.shape == (n, k // GROUP_SIZE, lib.sy_block_q4_1_size())
 
 
-def test_norm_activation_and_decode_attention_match_pytorch() -> None:
+def test_norm_and_activation_match_pytorch() -> None:
     assert lib is not None
     ops = native.Ops(lib)
     gen = torch.Generator().manual_seed(0)
@@ -108,14 +108,28 @@ def test_norm_activation_and_decode_attention_match_pytorch() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
-    heads, kv_heads, hd, length = 4, 2, 16, 40
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "hd"),
+    # scalar head size; pairs of heads; SmolLM2's groups of 3; 4 (3 + 1) and 6 (3 + 3)
+    [(4, 2, 16), (4, 2, 64), (9, 3, 64), (4, 1, 64), (6, 1, 64)],
+)
+def test_decode_attention_matches_pytorch_and_gives_a_row_its_bits_alone(
+    heads: int, kv_heads: int, hd: int
+) -> None:
+    assert lib is not None
+    ops = native.Ops(lib)
+    gen = torch.Generator().manual_seed(heads * 100 + hd)
+    length = 160
     # The kernels' cache holds half floats; the reference reads the same values.
     kv = torch.randn(3, 2 * kv_heads, length, hd, generator=gen).to(native.KV_DTYPE)
-    q = torch.randn(2, heads, hd, generator=gen)
-    slots = torch.tensor([2, 0])
-    lengths = torch.tensor([7, 33])
+    # Decoding rows of their own slots, then three rows of one slot at consecutive
+    # positions (a prompt being prefilled: attended together, lengths differing).
+    slots = torch.tensor([2, 0, 1, 1, 1])
+    lengths = torch.tensor([7, 150, 70, 71, 72])
+    q = torch.randn(len(slots), heads, hd, generator=gen) * 2
     got = ops.decode_attention(q, kv, kv_heads, slots, lengths, hd**-0.5)
-    for row in range(2):
+    for row in range(len(slots)):
         slot, n = int(slots[row]), int(lengths[row])
         exact = kv.float()
         keys, values = exact[slot : slot + 1, :kv_heads, :n], exact[slot : slot + 1, kv_heads:, :n]
