@@ -77,6 +77,14 @@ OOM_REGROW_STEPS = 64
 DEFAULT_STEP_TOKENS = 256
 """Tokens one step may run (decoding rows plus prefill chunks) unless the caller says."""
 
+COPY_PREFIX_MIN_TOKENS = 16
+"""Prompt tokens a copy from a running sequence's slot must save (:meth:`Engine._pick_slot`).
+
+A new request whose prompt begins with more tokens of a running sequence's
+slot than of any free slot (a shared system prompt or document, requests
+arriving together) copies those keys and values into its own slot, one copy a
+layer, instead of prefilling them."""
+
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Chat-template end markers that end a generation when the template uses them."""
 
@@ -273,6 +281,16 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class _Plan:
     """What one step runs: its sequences (decoding first) and the tokens of each."""
@@ -302,9 +320,13 @@ class Engine:
     that last used it, and a new request takes the free slot whose tokens share
     the longest prefix with its own: it prefills only the rest (a chat's
     earlier turns, a shared system prompt). Otherwise the free slot freed
-    longest ago. A seeded sampled request always prefills in full: its draws
-    must be the same on any worker, fresh or resumed, and reused keys and
-    values may differ from a fresh prefill's in the last bits.
+    longest ago. When a running sequence's slot holds a longer prefix of the
+    new prompt (requests sharing a long system prompt or document, arriving
+    together), those keys and values are copied into the new slot instead of
+    prefilled (:data:`COPY_PREFIX_MIN_TOKENS`). A seeded sampled request
+    always prefills in full: its draws must be the same on any worker, fresh
+    or resumed, and reused keys and values may differ from a fresh prefill's
+    in the last bits.
 
     ``nice`` lowers the step loop's priority on a CPU (:func:`lower_priority`):
     a worker's engine shares its cores with the API and Redis, whose short
@@ -355,6 +377,7 @@ class Engine:
         self._freed_at = [0] * max_batch_size
         self._leaves = 0
         self.reused_tokens = 0  # prompt tokens not prefilled again, since the start
+        self.copied_tokens = 0  # of those, copied from another running sequence's slot
         self._steps_at_cap = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -635,7 +658,8 @@ class Engine:
                 self._running.append(seq)
 
     def _pick_slot(self, free: list[int], seq: _Sequence) -> tuple[int, int]:
-        """A free slot for ``seq`` and how many of its first tokens that slot already holds."""
+        """A free slot for ``seq`` and how many of its first tokens that slot holds:
+        held from its last sequence, or copied from a running sequence's slot."""
         slot = min(free, key=lambda s: self._freed_at[s])
         if not self.prefix_caching or (seq.params.seed is not None and not seq.sampler.greedy):
             # A seeded draw must be the same on any worker, at any time: reused keys
@@ -643,15 +667,25 @@ class Engine:
             return slot, 0
         ids, reuse = seq.all_ids(), 0
         for candidate in free:
-            held = self._held[candidate]
-            n = 0
-            for a, b in zip(ids, held, strict=False):
-                if a != b:
-                    break
-                n += 1
+            n = _common_prefix(ids, self._held[candidate])
             if n > reuse:
                 slot, reuse = candidate, n
-        return slot, min(reuse, len(ids) - 1)  # the last token runs: its logits are needed
+        # A running sequence's slot may begin with more of this prompt (requests
+        # sharing a long prefix arrive together): copy those positions instead.
+        source, longest = None, reuse
+        for other in self._running:
+            if other.slot is not None and other.computed > longest:
+                n = _common_prefix(ids, other.all_ids()[: other.computed])
+                if n > longest:
+                    source, longest = other.slot, n
+        longest = min(longest, len(ids) - 1)  # the last token runs: its logits are needed
+        copy = source is not None and longest - reuse >= COPY_PREFIX_MIN_TOKENS
+        if copy and self._cache.length >= longest:
+            assert source is not None
+            self._cache.copy_prefix(source, slot, longest)
+            self.copied_tokens += longest
+            return slot, longest
+        return slot, min(reuse, len(ids) - 1)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancelled]:

@@ -146,6 +146,11 @@ class SlotCache:
             kv.append(both)
         self.kv, self.length = kv, new
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Copy positions ``0..length-1`` of slot ``source`` into slot ``target``, every layer."""
+        for both in self.kv:
+            both[target, :, :length] = both[source, :, :length]
+
     def release(self) -> None:
         """Drop every tensor (after an out-of-memory error); :meth:`ensure` reallocates.
         ``epoch`` counts the releases: what a slot held before is gone."""

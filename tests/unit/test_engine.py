@@ -70,6 +70,19 @@ def record_batch_sizes(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[
     return sizes
 
 
+def record_prefilled(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every prefill chunk each forward pass runs."""
+    prefilled: list[int] = []
+    original = engine.runtime.forward
+
+    def forward(step: StepInput, cache: Any) -> torch.Tensor:
+        prefilled.extend(c.length for c in step.chunks)
+        return original(step, cache)
+
+    monkeypatch.setattr(engine.runtime, "forward", forward)
+    return prefilled
+
+
 def fail_forward(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, when: Callable[[Any], bool], error: Exception
 ) -> list[Any]:
@@ -690,14 +703,7 @@ def test_a_prompt_sharing_a_prefix_with_a_finished_one_prefills_only_the_rest(
     answer = warm.generate(GenerationRequest("t1", warm.encode_chat(first), GREEDY)).text
     second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
     ids = warm.encode_chat(second)
-    prefilled: list[int] = []
-    original = warm.runtime.forward
-
-    def forward(step: StepInput, cache: Any) -> torch.Tensor:
-        prefilled.extend(c.length for c in step.chunks)
-        return original(step, cache)
-
-    monkeypatch.setattr(warm.runtime, "forward", forward)
+    prefilled = record_prefilled(warm, monkeypatch)
     got = warm.generate(GenerationRequest("t2", ids, GREEDY))
     shared = len(warm.encode_chat(first))  # at least the first turn's prompt
     assert warm.reused_tokens >= shared
@@ -705,6 +711,39 @@ def test_a_prompt_sharing_a_prefix_with_a_finished_one_prefills_only_the_rest(
     assert got.text == cold.generate(GenerationRequest("t2", ids, GREEDY)).text
     assert got.prompt_tokens == len(ids)
     assert cold.reused_tokens == 0
+
+
+def test_requests_sharing_a_running_ones_long_prefix_copy_it_instead_of_prefilling(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many users behind one long system prompt or document: the first prefills it, the
+    ones that arrive while it runs copy its keys and values, and answer as an engine
+    that prefilled everything."""
+    document = "Read this first. " + "The quick brown fox jumps over the lazy dog. " * 12
+    questions = ["Who jumps?", "Over what?", "How fast?"]
+    ids = [
+        make_engine(start=False).encode_chat([{"role": "user", "content": document + q}])
+        for q in questions
+    ]
+    shared = 0
+    while ids[0][shared] == ids[1][shared] == ids[2][shared]:
+        shared += 1
+    assert shared > 100
+    cold = make_engine(max_batch_size=4, prefix_caching=False)
+    warm = make_engine(max_batch_size=4)
+    prefilled = record_prefilled(warm, monkeypatch)
+    long = SamplingParams(max_new_tokens=200, temperature=0)
+    first = warm.submit(GenerationRequest("a", ids[0], long))
+    assert first.next_event(timeout=30) is not None  # its prompt is in its slot now
+    later = [warm.submit(GenerationRequest(f"b{i}", ids[i], GREEDY)) for i in (1, 2)]
+    answers = [drain(handle)[1] for handle in later]
+    assert drain(first)[1].finish_reason == "length"  # it ran all along
+    assert warm.copied_tokens >= 2 * shared
+    assert sum(prefilled) <= len(ids[0]) + sum(len(i) - shared for i in ids[1:])
+    for i, answer in zip((1, 2), answers, strict=True):
+        assert answer.text == cold.generate(GenerationRequest("c", ids[i], GREEDY)).text
+        assert answer.prompt_tokens == len(ids[i])
+    assert cold.copied_tokens == cold.reused_tokens == 0
 
 
 def test_a_seeded_sampled_request_never_reuses_a_held_prefix(make_engine: MakeEngine) -> None:
