@@ -65,7 +65,7 @@ import redis
 import requests
 import websocket
 
-from bench.engine import PROMPTS
+from bench.engine import PROMPTS, with_document
 from bench.quality import QualityRow, measure_quality, quality_table, quality_targets
 from config import ModelDefinition, Settings, load_catalog, load_settings
 from config.settings import PROJECT_ROOT
@@ -764,7 +764,7 @@ def engine_phase(
         levels = run_levels(
             "engine",
             client,
-            PROMPTS,
+            args.prompts,
             args.concurrency,
             args.requests_per_client,
             on_level=ENGINE_CPU.measuring,
@@ -820,7 +820,7 @@ def farm_phase(
         client = FarmClient(
             base, token, args.model, args.max_new_tokens, count_tokens, stream=args.stream
         )
-        warm = client(PROMPTS[0])  # the first job opens connections along the path
+        warm = client(args.prompts[0])  # the first job opens connections along the path
         if warm.error is not None:
             raise RuntimeError(f"farm: the warm-up job failed: {warm.error}\n{worker.tail()}")
         loaded_rss = rss(worker.pid)
@@ -836,7 +836,7 @@ def farm_phase(
         levels = run_levels(
             f"farm/{args.stream}",
             client,
-            PROMPTS,
+            args.prompts,
             args.concurrency,
             args.requests_per_client,
             on_level=measured,
@@ -898,7 +898,7 @@ def peer_phase(
             levels = run_levels(
                 "peer",
                 client,
-                PROMPTS,
+                args.prompts,
                 args.concurrency,
                 args.requests_per_client,
                 min_requests=args.min_requests,
@@ -1126,6 +1126,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="farm client stream: POST /v1/jobs then the job's websocket or SSE stream, "
         "or one streaming POST /v1/chat/completions (the peer's request)",
     )
+    parser.add_argument(
+        "--document",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N words of bench/quality.txt before every prompt: a long shared "
+        "context (default: 0, none)",
+    )
     parser.add_argument("--subscribers", type=int, default=1000, help="idle websockets (0: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama-cpp-python")
     parser.add_argument(
@@ -1141,8 +1149,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         parser.error("--concurrency, --requests-per-client and --max-new-tokens must be >= 1")
-    if args.threads < 1 or args.worker_threads < 0 or args.subscribers < 0:
-        parser.error("--threads must be >= 1 and --subscribers >= 0")
+    if args.threads < 1 or args.worker_threads < 0 or args.subscribers < 0 or args.document < 0:
+        parser.error("--threads must be >= 1, --subscribers and --document >= 0")
+    # Every phase sends the same prompts (with the document before each, if any).
+    args.prompts = with_document(PROMPTS, args.document)
     return args
 
 
@@ -1163,6 +1173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"farm benchmark: {args.model}, greedy, {args.max_new_tokens} new tokens, "
         f"{args.requests_per_client} requests per client, threads {args.threads}"
+        f"{f', a {args.document}-word document before every prompt' if args.document else ''}"
         f"{f' (worker {args.worker_threads})' if args.worker_threads else ''}, "
         f"{os.cpu_count()} cores, load average {load_before[0]:.2f}; logs in {log_dir}",
         flush=True,
@@ -1187,6 +1198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         f"Switchyard farm benchmark — {args.model}, greedy, {args.max_new_tokens} new tokens, "
+        f"{f'a {args.document}-word document before every prompt, ' if args.document else ''}"
         f"threads {args.threads}, {os.cpu_count()} cores, load average "
         f"{load_before[0]:.2f} → {load_after[0]:.2f}"
     )

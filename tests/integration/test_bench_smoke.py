@@ -40,6 +40,9 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
         "2",
         "--max-new-tokens",
         "4",
+        # A long shared context: the prompts every phase sends start with it.
+        "--document",
+        "30",
         "--subscribers",
         "3",
         "--no-peer",
@@ -70,5 +73,6 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     assert report["worker_rss_loaded"] > 0
     assert report["subscribers"]["opened"] == 3
     assert "farm / engine tok/s at 8 clients" in result.stdout
+    assert "a 30-word document before every prompt" in result.stdout
     # Every process the benchmark started is gone.
     assert processes_of_farm(migrated.redis_prefix, "tiny-bench") == []
