@@ -24,7 +24,9 @@ is the faster one, and which of two is faster (a prompt already cached, a
 core taken for a moment) is chance. Tokens are the completion tokens
 each system reports; TTFT runs from the client's first byte of the request to
 the first text it receives; ITL samples are the gaps between two text arrivals,
-split evenly over the tokens of the later one.
+split evenly over the tokens of the later one. ``--document N`` puts the
+first N words of ``bench/quality.txt`` before every prompt of every phase: a
+long context all requests share (a system prompt, a document asked about).
 
 Services: with ``DATABASE_URL``/``REDIS_URL`` set (or ``--database-url``/
 ``--redis-url``) the farm uses them, every Redis key (Celery's queues among
