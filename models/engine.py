@@ -679,9 +679,11 @@ class Engine:
                 if n > longest:
                     source, longest = other.slot, n
         longest = min(longest, len(ids) - 1)  # the last token runs: its logits are needed
-        copy = source is not None and longest - reuse >= COPY_PREFIX_MIN_TOKENS
-        if copy and self._cache.length >= longest:
-            assert source is not None
+        if (
+            source is not None
+            and longest - reuse >= COPY_PREFIX_MIN_TOKENS
+            and self._cache.length >= longest
+        ):
             self._cache.copy_prefix(source, slot, longest)
             self.copied_tokens += longest
             return slot, longest

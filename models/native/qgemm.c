@@ -1038,25 +1038,26 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
     for (int t0 = 0; t0 < nmax; t0 += ATT_TILE) {
         int from[ATT_ROWS * ATT_GROUP]; /* where each query's scores of this tile go on alone */
         for (int i = 0; i < nr; i++) from[i] = t0;
-        int i = 0;
+        int g = 0; /* the first query not yet in a group of 3 or a pair */
 #if SCORES_X3
-        for (; i + 2 < nr; i += 3) {
+        for (; g + 2 < nr; g += 3) {
             int both = t0 + ATT_TILE;
-            for (int j = i; j < i + 3; j++) both = ns[j] < both ? ns[j] : both;
+            for (int j = g; j < g + 3; j++) both = ns[j] < both ? ns[j] : both;
             int p = t0;
             for (; p + 8 <= both; p += 8) {
                 __m256 sc[3];
-                scores8x3(qs + i, keys, p, hd, scale, sc);
+                scores8x3(qs + g, keys, p, hd, scale, sc);
                 for (int j = 0; j < 3; j++) {
-                    _mm256_storeu_ps(scores[i + j] + p, sc[j]);
-                    tops[i + j] = _mm256_max_ps(tops[i + j], sc[j]);
+                    _mm256_storeu_ps(scores[g + j] + p, sc[j]);
+                    tops[g + j] = _mm256_max_ps(tops[g + j], sc[j]);
                 }
             }
-            from[i] = from[i + 1] = from[i + 2] = p;
+            from[g] = from[g + 1] = from[g + 2] = p;
         }
 #endif
 #if SCORES_X2
-        for (; i + 1 < nr; i += 2) {
+        for (; g + 1 < nr; g += 2) {
+            const int i = g;
             const int ea = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
             const int eb = t0 + ATT_TILE < ns[i + 1] ? t0 + ATT_TILE : ns[i + 1];
             const int both = ea < eb ? ea : eb;
@@ -1072,7 +1073,7 @@ static int attend_rows(const float *const *qs, const int *ns, float *const *os, 
             from[i] = from[i + 1] = p;
         }
 #endif
-        (void)i;
+        (void)g; /* unused where neither kernel builds (AVX2 alone) */
         for (int i = 0; i < nr; i++) {
             const int end = t0 + ATT_TILE < ns[i] ? t0 + ATT_TILE : ns[i];
             for (int p = from[i]; p + 8 <= end; p += 8) {
