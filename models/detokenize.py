@@ -34,7 +34,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str)
-        return text
+        # NUL is the one character a PostgreSQL text column cannot hold: a job
+        # whose answer had one failed when its row was written. It is shown as
+        # U+FFFD (one character for one: the offsets above hold), in the stream
+        # and the record alike.
+        return text.replace("\x00", REPLACEMENT_CHAR)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""

@@ -374,6 +374,10 @@ def test_incremental_detokenizer_and_stop_filter_units(tiny: LoadedModel) -> Non
     pieces = [detok.push(t) for t in ids]
     assert "".join(pieces) == text == detok.full_text()
     assert all("\ufffd" not in piece for piece in pieces)
+    # A NUL (a random or confused model's byte token) is U+FFFD: Postgres stores no NUL.
+    ids = tiny.tokenizer("a\x00b", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tiny.tokenizer)
+    assert "".join(detok.push(t) for t in ids) == "a\ufffdb" == detok.full_text()
 
     f = StopStringFilter(("STOP", "xy"))
     assert f.feed("abc ST") == ("abc ", False)
