@@ -10,7 +10,8 @@ hosts without ``PROMETHEUS_MULTIPROC_DIR``:
 * counters and histograms every process adds to in Redis
   (:mod:`jobs.metrics`) — tokens, time to first token, inter-token latency,
   end-to-end latency, queue wait, restarts, and the API's requests by route
-  template, method and status (recorded here, per request).
+  template, method and status (recorded here, per request, and written by
+  each process once a second: :class:`jobs.metrics.MetricsBuffer`).
 
 Every series is farm-wide: scrape one API replica (or the service address),
 not each one. The route is unauthenticated by default, like most exporters;
@@ -148,6 +149,7 @@ class FarmCollector:
         yield from (age, busy, slots, speed)
 
     def _stored(self) -> Iterator[Metric]:
+        self.svc.http_metrics.flush()  # this process's requests since its last write
         counters, histograms = MetricsStore(self.svc.redis, self.svc.settings).read()
         for spec in m.COUNTERS:
             family = CounterMetricFamily(_name(spec.name), spec.help, labels=list(spec.labels))
@@ -180,7 +182,7 @@ def _finished(response: Response) -> Response:
         return response
     route = request.url_rule.rule if request.url_rule is not None else "(unmatched)"
     method = request.method
-    batch = MetricsStore(services().redis, services().settings).batch()
+    batch = services().http_metrics.batch()
     batch.inc(
         m.HTTP_REQUESTS, {"route": route, "method": method, "status": str(response.status_code)}
     )

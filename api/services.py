@@ -23,6 +23,7 @@ from db.lookups import RowCache
 from db.session import Database
 from fleet.capacity import SubmissionFleet
 from jobs.events import EventLog
+from jobs.metrics import MetricsBuffer, MetricsStore
 from jobs.service import JobService
 
 EXTENSION = "switchyard"
@@ -50,6 +51,7 @@ class Services:
     rows: RowCache = field(default_factory=RowCache)
     background: list[Background] = field(default_factory=list)
     job_service: JobService = field(init=False)
+    http_metrics: MetricsBuffer = field(init=False)  # the API's per-request counters
 
     def __post_init__(self) -> None:
         self.job_service = JobService(
@@ -63,6 +65,7 @@ class Services:
             fleet=SubmissionFleet(self.redis, self.db, self.settings, self.rows),
             relay=self.hub,
         )
+        self.http_metrics = MetricsBuffer(MetricsStore(self.redis, self.settings))
 
     def start_background(self) -> None:
         """Start the process's loops: gunicorn's ``post_worker_init`` calls this.
@@ -78,6 +81,7 @@ class Services:
             loop.stop()
         self.hub.stop()
         self.caps.stop()
+        self.http_metrics.stop()
         self.db.dispose()
         self.redis.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import Settings
+from jobs import metrics as m
+from jobs.metrics import FLUSH_INTERVAL_S, MetricsBuffer, MetricsStore
 from tests import farm
 
 MODEL = "tiny-random"
@@ -63,7 +66,9 @@ def test_metrics_count_jobs_tokens_latencies_and_requests_across_processes(
     for _ in range(3):
         assert requests.get(f"{url}/v1/jobs/nope", headers=headers, timeout=30).status_code == 404
 
-    # Whichever process answers the scrape, it reports the farm-wide totals.
+    # Whichever process answers the scrape, it reports the farm-wide totals: each
+    # process writes its requests' counters within FLUSH_INTERVAL_S.
+    time.sleep(2 * FLUSH_INTERVAL_S)
     scrapes = [scrape(url) for _ in range(6)]
     after = scrapes[0]
 
@@ -122,3 +127,39 @@ def test_metrics_count_jobs_tokens_latencies_and_requests_across_processes(
         and dict(labels)["status"] == "ready"
     ]
     assert len(ages) == 1 and 0 <= ages[0] < migrated.heartbeat_ttl_s
+
+
+def test_a_metrics_buffer_writes_its_batches_sums_together_within_its_interval(
+    migrated: Settings,
+) -> None:
+    client = redis.Redis.from_url(migrated.redis_url)
+    store = MetricsStore(client, migrated)
+    labels = {"route": "/buffer-test", "method": "GET", "status": "200"}
+    key, field = store.key(m.HTTP_REQUESTS.name), store.field(m.HTTP_REQUESTS.labels, labels)
+
+    def stored() -> int:
+        return int(client.hget(key, field) or 0)
+
+    def commit(buffer: MetricsBuffer, n: int) -> None:
+        for _ in range(n):
+            batch = buffer.batch()
+            batch.inc(m.HTTP_REQUESTS, labels)
+            batch.commit()
+
+    start = stored()
+    slow = MetricsBuffer(store, interval_s=60)
+    commit(slow, 5)
+    assert stored() == start  # gathered in the process, not written per batch
+    slow.flush()
+    assert stored() == start + 5  # one write, the five batches summed
+    commit(slow, 2)
+    slow.stop()
+    assert stored() == start + 7  # stopping writes what is left
+
+    fast = MetricsBuffer(store, interval_s=0.1)
+    commit(fast, 3)
+    deadline = time.monotonic() + 5
+    while stored() < start + 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stored() == start + 10  # its thread wrote them without a flush
+    fast.stop()
