@@ -12,8 +12,10 @@ streams
     and every stream must receive seq 0, 1, ... to ``done`` without a gap.
 submit
     ``POST /v1/jobs`` from ``--clients`` closed-loop clients for ``--submit-s``
-    seconds (accepted/s, p50, p99), then an open loop at ``--rate`` per second
-    (p50, p99 at that offered rate); workers idle (not consuming).
+    seconds (accepted/s, held to 500; p50 and p99, shown: by Little's law they
+    are clients / rate), then the same clients offering ``--rate`` a second
+    between them for ``--open-s`` seconds, each POST timed from its scheduled
+    send (p50 held to 10 ms); workers idle (not consuming).
 abuse
     ``--abusers`` anonymous ``/v1/ws`` sockets from one address: how many were
     admitted, how many closed with 4029, ``/healthz`` while they are held, and
@@ -396,55 +398,53 @@ def submit_phase(farm: LoadFarm, args: argparse.Namespace, report: Report) -> No
     report.row(
         f"submit: accepted/s at {args.clients} closed-loop clients", f"{rate:,.0f}", rate >= 500
     )
+    # Little's law: closed-loop clients that never pause keep `clients` POSTs in
+    # the API at once, so their p50 is clients / rate (32 / 500 per s = 64 ms);
+    # shown, not held to the 10 ms target (that would take 3,200/s).
     report.row(
-        f"submit: POST p50 / p99 at {args.clients} clients",
+        f"submit: POST p50 / p99 at {args.clients} closed-loop clients",
         f"{pct(latencies, 0.5) * 1e3:.1f} / {pct(latencies, 0.99) * 1e3:.1f} ms",
-        pct(latencies, 0.5) <= 0.010,
     )
     report.row("submit: API CPU per accepted POST", f"{cpu * 1e3 / max(len(latencies), 1):.2f} ms")
     if refused:
         report.row("submit: refused (not 202)", f"{refused:,}")
 
-    # Open loop: requests start on a fixed schedule whatever the answers take,
-    # each on a free connection of a pool (a new one when all are busy).
+    # The same clients, each on its own connection, now offering `rate` a second
+    # between them: client k sends its j-th POST at start + (j * clients + k) / rate.
+    # A POST's latency runs from that scheduled time, so one sent late because the
+    # client's previous answer was slow counts its lateness (no coordinated omission).
     n = int(args.rate * args.open_s)
 
-    async def open_loop() -> list[float]:
-        open_lat: list[float] = []
-        idle = [poster(k) for k in range(64)]
-        made = len(idle)
-
-        async def fire(i: int) -> None:
-            nonlocal made
-            if idle:
-                conn = idle.pop()
-            else:
-                made += 1
-                conn = poster(made)
-            t0 = time.perf_counter()
-            try:
-                if await conn.post() == 202:
-                    open_lat.append(time.perf_counter() - t0)
-            finally:
-                idle.append(conn)
-
+    async def paced() -> list[float]:
+        lat: list[float] = []
         start = time.perf_counter()
-        tasks = []
-        for i in range(n):
-            delay = start + i / args.rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(fire(i)))
-        await asyncio.gather(*tasks)
-        for conn in idle:
-            conn.close()
-        return open_lat
 
-    open_lat = asyncio.run(open_loop())
+        async def client(k: int) -> None:
+            conn = poster(k)
+            try:
+                for i in range(k, n, args.clients):
+                    due = start + i / args.rate
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if await conn.post() == 202:
+                        lat.append(time.perf_counter() - due)
+            finally:
+                conn.close()
+
+        await asyncio.gather(*(client(k) for k in range(args.clients)))
+        return lat
+
+    paced_lat = asyncio.run(paced())
     report.row(
-        f"submit: open loop at {args.rate:.0f}/s offered, p50 / p99",
-        f"{pct(open_lat, 0.5) * 1e3:.1f} / {pct(open_lat, 0.99) * 1e3:.1f} ms "
-        f"({len(open_lat)}/{n})",
+        f"submit: {args.clients} clients offering {args.rate:.0f}/s, accepted",
+        f"{len(paced_lat):,} / {n:,}",
+        len(paced_lat) == n,
+    )
+    report.row(
+        f"submit: {args.clients} clients offering {args.rate:.0f}/s, POST p50 / p99",
+        f"{pct(paced_lat, 0.5) * 1e3:.1f} / {pct(paced_lat, 0.99) * 1e3:.1f} ms",
+        pct(paced_lat, 0.5) <= 0.010,
     )
     farm.consuming(True)
 
