@@ -91,7 +91,9 @@ class Settings(BaseModel):
         le=1000,
         description=(
             "Milliseconds a worker gathers a job's tokens before publishing them as one "
-            "event (the first token goes at once); 0 publishes every token alone."
+            "event: windows of this length on the host's monotonic clock, so every job "
+            "publishes at the same instants (the first token goes at once); 0 publishes "
+            "every token alone."
         ),
     )
     relay_poll_s: float = Field(

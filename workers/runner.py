@@ -6,7 +6,13 @@ publish coalesced token events, honour cancellation, write the outcome and
 its metrics. While a job's text waits to be published, its thread sleeps until
 the window ends or the request finishes: tokens that arrive meanwhile wait in
 the engine's handle, so the thread wakes once a window, not once a token, and
-leaves the cores (and the GIL) to the engine's step.
+leaves the cores (and the GIL) to the engine's step. Windows are cut from the
+monotonic clock (``stream_coalesce_ms`` each), the same for every job: a
+worker's job threads wake and publish together, once a window (not also at
+the window's first token, as when each window began with its first token),
+rather than at instants scattered over it. (Measured on 2 cores at 16
+clients, the farm's tokens/s did not move: 939 / 984 / 907 against 943 / 906
+in alternating runs.)
 
 Continuation: a job run again (its worker was lost, a drain handed it back,
 its outcome could not be written) goes on from what its stream already holds.
@@ -45,6 +51,7 @@ published: the next attempt generates them again.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -187,7 +194,6 @@ class _Stream:
     owner: str | None = None  # this attempt's fence token (see EventLog.take)
     pending: str = ""
     pending_ids: list[int] = field(default_factory=list)
-    pending_since: float = 0.0
     held: list[JobEvent] = field(default_factory=list)
     # Set by a fenced write, which reads the job's cancel request in the same round
     # trip: whether one was seen, and whether one was read since the runner last looked.
@@ -207,9 +213,7 @@ class _Stream:
         self.flush()
         self._write([self._event(kind, fields)])
 
-    def add_text(self, text: str, ids: list[int], now: float) -> None:
-        if not self.pending:
-            self.pending_since = now
+    def add_text(self, text: str, ids: list[int]) -> None:
         self.pending += text
         self.pending_ids.extend(ids)
 
@@ -242,6 +246,16 @@ class _Stream:
         )
         self.cancel_read = True
         self.cancel_seen = self.cancel_seen or cancel
+
+
+def _window_end(now: float, window_s: float) -> float:
+    """The end of the coalescing window ``now`` falls in, on a grid of ``window_s``.
+
+    The grid is the monotonic clock's, so every job of a worker (and every worker
+    of a host) publishes at the same instants: the engine's step is interrupted
+    once a window by all of them, not once per job at scattered times.
+    """
+    return (math.floor(now / window_s) + 1) * window_s
 
 
 def _joined(events: list[TokenEvent | FinishEvent]) -> TokenEvent | None:
@@ -477,14 +491,16 @@ class JobRunner:
         batch = self.metrics.batch() if self.metrics is not None else None
         labels = {"model": job.model}
         last_token_t: float | None = None
+        # Steps faster than the window: wake once a window, at the window's end on a
+        # clock grid every job of the process shares, and publish what came meanwhile.
+        gathering = False
         while True:
             now = self._clock()
-            wait = CANCEL_POLL_S
-            if stream.pending:
-                wait = max(0.0, min(wait, stream.pending_since + coalesce_s - now))
-            # While text waits to be published, tokens join it without waking this
-            # thread: it wakes at the window's end (or the finish), not at each token.
-            events = handle.next_events(timeout=wait, until_finished=bool(stream.pending))
+            due = _window_end(now, coalesce_s) if gathering else None
+            wait = CANCEL_POLL_S if due is None else min(CANCEL_POLL_S, due - now)
+            # While gathering, tokens join the pending text without waking this thread:
+            # it wakes at the window's end (or the finish), not at each token.
+            events = handle.next_events(timeout=wait, until_finished=gathering)
             now = self._clock()
             event = _joined(events)
             if isinstance(event, TokenEvent) and drained_at is not None and not user_cancelled:
@@ -497,18 +513,21 @@ class JobRunner:
                         "first_token", job, ttft_s=_seconds(job.started_at, first_token_at)
                     )
                 gap = None if last_token_t is None else now - last_token_t
+                n = max(1, len(event.token_ids))
                 if batch is not None and gap is not None:
                     # A chunk of n tokens after `gap` seconds: n tokens of gap/n each.
-                    n = max(1, len(event.token_ids))
                     for _ in range(n):
                         batch.observe(m.INTER_TOKEN_LATENCY, labels, gap / n)
                 last_token_t = now
-                stream.add_text(event.text, event.token_ids, now)
+                stream.add_text(event.text, event.token_ids)
                 # Time-to-first-token is what a user feels: never coalesce it. Nor
-                # wait when the engine's steps are slower than the window (a big
+                # gather when the engine's steps are slower than the window (a big
                 # batch): no other token would join this one, the wait only delays
                 # it and costs a wake-up.
-                if first or (gap is not None and gap >= coalesce_s):
+                gathering = (
+                    coalesce_s > 0 and not first and gap is not None and gap / n < coalesce_s
+                )
+                if not gathering:
                     stream.flush()
             if events and isinstance(events[-1], FinishEvent):
                 finish = events[-1]
@@ -519,7 +538,7 @@ class JobRunner:
                     return
                 self._finish(job, stream, finish, first_token_at, timed_out, batch)
                 return
-            if stream.pending and now - stream.pending_since >= coalesce_s:
+            if stream.pending and due is not None and now >= due:
                 stream.flush()
             if drained_at is None and self._drain_due(now):
                 drained_at = now

@@ -46,7 +46,7 @@ def test_events_written_during_a_redis_restart_are_retried_not_lost(
         servers[0].wait(timeout=10)
         restart.start()
         started = time.monotonic()
-        stream.add_text("hello", [1], time.monotonic())
+        stream.add_text("hello", [1])
         stream.flush()
         waited = time.monotonic() - started
         stream.emit("done", finish_reason="length", text="hello")

@@ -353,6 +353,26 @@ def test_the_first_token_goes_out_at_once_and_the_next_ones_coalesce(make_farm: 
     assert kinds(events) == ["started", "token", "token", "token", "done"]
 
 
+def test_coalesced_tokens_go_out_when_a_window_of_the_shared_grid_ends(make_farm: Any) -> None:
+    # Tokens 10 ms apart from an arbitrary instant: after the first, each event is
+    # written as a 50 ms window of the monotonic clock's grid ends, so every job of
+    # a worker publishes at the same instants, whatever its own timing.
+    farm = make_farm([(0.013, "a"), *tokens("bcdefghijklmnop", every_s=0.01)])
+    written: list[tuple[float, str]] = []
+    append = farm.streams.append
+
+    def timed(job_id: str, events: list[JobEvent]) -> None:
+        written.extend((farm.clock.now, e.text) for e in events if e.type == "token")
+        append(job_id, events)
+
+    farm.streams.append = timed
+    farm.run()
+    assert "".join(text for _, text in written) == "abcdefghijklmnop"
+    windows = [t / 0.05 for t, _ in written[1:-1]]  # the first goes at once, the last with done
+    assert len(windows) >= 2
+    assert all(abs(w - round(w)) < 1e-6 for w in windows)
+
+
 def test_slow_steps_are_not_held_back_by_the_window(make_farm: Any) -> None:
     # Steps slower than the coalescing window: no other token would join, so each goes alone.
     farm = make_farm(tokens("abcd", every_s=0.08))
