@@ -92,33 +92,11 @@ def _cmd_models_validate(_: argparse.Namespace) -> int:
 
 def _cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 when healthy: the API answers /healthz, or a worker on this host is ready."""
+    from cli.healthcheck import default_url, probe_api, probe_worker
+
     if args.worker:
-        import socket
-
-        import redis
-
-        from fleet.registry import list_workers
-
-        settings = _settings()
-        host = socket.gethostname()
-        try:
-            workers = list_workers(redis.Redis.from_url(settings.redis_url), settings)
-        except redis.RedisError as exc:
-            print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
-            return 1
-        mine = [w for w in workers if w.host == host and not w.lost]
-        if any(w.state in ("ready", "starting") for w in mine):
-            return 0
-        print(f"unhealthy: no live worker on {host}", file=sys.stderr)
-        return 1
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(args.url.rstrip("/") + "/healthz", timeout=3) as response:
-            return 0 if response.status == 200 else 1
-    except OSError as exc:
-        print(f"unhealthy: {exc}", file=sys.stderr)
-        return 1
+        return probe_worker(_settings())
+    return probe_api(args.url or default_url())
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -148,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("healthcheck", help="exit 0 if the API (or this host's worker) is healthy")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="API base URL to probe")
-    p.add_argument("--worker", action="store_true", help="probe this host's worker instead")
+    from cli.healthcheck import add_arguments as add_healthcheck_arguments
+
+    add_healthcheck_arguments(p)
     p.set_defaults(func=_cmd_healthcheck)
 
     from cli.scaling import register as register_scaling

@@ -5,6 +5,7 @@ matches the API's."""
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import re
 import shlex
@@ -20,6 +21,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from cli.healthcheck import add_arguments
 from cli.main import build_parser
 from config.settings import PROJECT_ROOT, Settings, variable_name
 
@@ -56,7 +58,12 @@ def _check_command(argv: list[str], where: str) -> None:
         for part in re.split(r"&&|;", argv[argv.index("-c") + 1]):
             _check_command(shlex.split(part.replace("exec ", "")), where)
         return
-    if argv[:3] == ["python", "-m", "cli"] or argv[:1] == ["switchyard"]:
+    if argv[:3] == ["python", "-m", "cli.healthcheck"]:
+        try:
+            healthcheck_parser().parse_args(argv[3:])
+        except SystemExit:
+            pytest.fail(f"{where}: `{' '.join(argv)}` is not a valid health probe")
+    elif argv[:3] == ["python", "-m", "cli"] or argv[:1] == ["switchyard"]:
         args = argv[3:] if argv[0] == "python" else argv[1:]
         args = [re.sub(r"\$\{?\w+(:-([^}]*))?\}?", lambda m: m.group(2) or "x", a) for a in args]
         try:
@@ -104,6 +111,12 @@ def test_procfile_commands_are_the_launchers() -> None:
         "api:create_app()",
     ]
     assert shlex.split(lines["worker"])[1:5] == worker_command("m")[1:5]
+
+
+def healthcheck_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
 
 
 def _dockerfiles() -> Iterator[Path]:
@@ -334,6 +347,12 @@ def test_compose_hardening() -> None:
             assert service["read_only"] is True, name
             assert service["cap_drop"] == ["ALL"], name
             assert "no-new-privileges:true" in service["security_opt"], name
+            # A tmpfs is root's (0755) unless its options say otherwise: the state folder
+            # must be the image's user's, or the API cannot write it (seen in a container).
+            for mount in service.get("tmpfs", []):
+                path, _, options = mount.partition(":")
+                if path != "/tmp":
+                    assert "uid=10001" in options.split(","), f"compose {name}: tmpfs {mount}"
     # Secrets come from docker/.env (make docker/.env), never from the file itself.
     postgres_password = services["postgres"]["environment"]["POSTGRES_PASSWORD"]
     assert postgres_password.startswith("${POSTGRES_PASSWORD:?"), postgres_password
@@ -383,6 +402,41 @@ def test_kubernetes_hardening() -> None:
             assert mounts_needed <= set(mounts), f"{at}: a read-only root needs /tmp writable"
             for volume in mounts.values():
                 assert "emptyDir" in volumes[volume] or "persistentVolumeClaim" in volumes[volume]
+
+
+def _probes() -> Iterator[tuple[str, list[str], float | None]]:
+    """Every health probe of ours that runs a command: where, its argv, its timeout in s."""
+    for path in _dockerfiles():
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
+        for line in text.splitlines():
+            if line.startswith("HEALTHCHECK "):
+                options, _, command = line.partition(" CMD ")
+                found = re.search(r"--timeout=(\d+)s", options)
+                yield path.name, shlex.split(command), float(found.group(1)) if found else 30.0
+    services = yaml.safe_load((DOCKER / "compose.yml").read_text())["services"]
+    for name, service in services.items():
+        argv = _as_argv(service["healthcheck"]["test"])
+        timeout = float(service["healthcheck"].get("timeout", "30s").removesuffix("s"))
+        yield f"compose {name}", argv, timeout
+    for where, _doc, spec in _pod_specs():
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
+                probe = container.get(kind, {})
+                if "exec" in probe:  # Kubernetes' default timeoutSeconds is 1
+                    at = f"{where}/{container['name']} {kind}"
+                    yield at, probe["exec"]["command"], probe.get("timeoutSeconds", 1)
+
+
+def test_probes_run_the_light_health_check_with_room_to_start() -> None:
+    """A probe of ours runs ``python -m cli.healthcheck`` (not the whole command line,
+    3.1 s to import on a loaded 2-core host, which made Docker mark a healthy API
+    unhealthy) under a timeout of 5 s or more."""
+    ours = [(w, argv, t) for w, argv, t in _probes() if argv[:1] == ["python"]]
+    assert len(ours) >= 6
+    for where, argv, timeout in ours:
+        assert argv[:3] == ["python", "-m", "cli.healthcheck"], f"{where}: {argv}"
+        _check_command(argv, where)
+        assert timeout is not None and timeout >= 5, f"{where}: timeout {timeout} s"
 
 
 def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:

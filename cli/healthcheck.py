@@ -1,0 +1,116 @@
+"""The images' health probes: ``python -m cli.healthcheck [--url URL] [--worker]``.
+
+A container runtime runs a probe every few seconds under a short timeout
+(Docker's ``HEALTHCHECK --timeout``, a Kubernetes exec probe's
+``timeoutSeconds``, one second unless set), on a host that may be busy
+generating. ``python -m cli healthcheck`` imports the whole command line first
+(SQLAlchemy, the scaler's state: 3.1 s measured in the API image on a loaded
+2-core host, so Docker marked a healthy API ``unhealthy``); this module imports
+only what its probe needs: the standard library for the API's, Redis and the
+worker registry for a worker's.
+
+- the API's: ``GET /healthz`` answers 200. The URL defaults to this
+  container's own API, ``SWITCHYARD_API_HOST`` / ``SWITCHYARD_API_PORT`` as
+  the API reads them (a wildcard address probed on loopback).
+- a worker's (``--worker``): a worker of this host is ``ready`` or
+  ``starting`` in the registry (its heartbeat), read from Redis.
+
+Exit status 0 when healthy, 1 (with the reason on stderr) when not.
+``switchyard healthcheck`` runs the same probes with the steered farm's
+settings (:mod:`cli.steering`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from config import Settings
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+API_TIMEOUT_S = 3.0
+
+
+def default_url(environ: Mapping[str, str] = os.environ) -> str:
+    """This host's API, where ``SWITCHYARD_API_HOST`` / ``_PORT`` put it."""
+    host = environ.get("SWITCHYARD_API_HOST", "").strip()
+    port = environ.get("SWITCHYARD_API_PORT", "").strip() or "8000"
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address in a URL
+    return f"http://{host}:{port}"
+
+
+def probe_api(url: str, timeout_s: float = API_TIMEOUT_S) -> int:
+    """0 when ``url``'s ``/healthz`` answers 200, else 1."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout_s) as response:
+            if response.status == 200:
+                return 0
+            print(f"unhealthy: /healthz answered {response.status}", file=sys.stderr)
+            return 1
+    except OSError as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+
+
+def probe_worker(settings: Settings | None = None) -> int:
+    """0 when a worker of this host is ready or starting, else 1."""
+    import socket
+
+    import redis
+
+    from fleet.registry import list_workers
+
+    if settings is None:
+        from config import SettingsError, load_settings
+
+        try:
+            settings = load_settings()
+        except SettingsError as exc:
+            print(f"unhealthy: bad setting {exc}", file=sys.stderr)
+            return 1
+    host = socket.gethostname()
+    try:
+        workers = list_workers(redis.Redis.from_url(settings.redis_url), settings)
+    except redis.RedisError as exc:
+        print(f"unhealthy: Redis unreachable ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    mine = [w for w in workers if w.host == host and not w.lost]
+    if any(w.state in ("ready", "starting") for w in mine):
+        return 0
+    print(f"unhealthy: no live worker on {host}", file=sys.stderr)
+    return 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The probe's options (here and in ``switchyard healthcheck``)."""
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="API base URL to probe (default: this host's API, from SWITCHYARD_API_HOST "
+        "and SWITCHYARD_API_PORT; http://127.0.0.1:8000 when unset)",
+    )
+    parser.add_argument("--worker", action="store_true", help="probe this host's worker instead")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cli.healthcheck",
+        description="exit 0 if the API (or this host's worker) is healthy",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return probe_worker()
+    return probe_api(args.url or default_url())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
