@@ -100,13 +100,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="store_true", help="probe this host's worker instead")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m cli.healthcheck``'s parser."""
     parser = argparse.ArgumentParser(
         prog="python -m cli.healthcheck",
         description="exit 0 if the API (or this host's worker) is healthy",
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.worker:
         return probe_worker()
     return probe_api(args.url or default_url())

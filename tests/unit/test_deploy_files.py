@@ -5,7 +5,6 @@ matches the API's."""
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import re
 import shlex
@@ -21,7 +20,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from cli.healthcheck import add_arguments
+from cli.healthcheck import build_parser as healthcheck_parser
 from cli.main import build_parser
 from config.settings import PROJECT_ROOT, Settings, variable_name
 
@@ -111,12 +110,6 @@ def test_procfile_commands_are_the_launchers() -> None:
         "api:create_app()",
     ]
     assert shlex.split(lines["worker"])[1:5] == worker_command("m")[1:5]
-
-
-def healthcheck_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser
 
 
 def _dockerfiles() -> Iterator[Path]:
@@ -404,7 +397,7 @@ def test_kubernetes_hardening() -> None:
                 assert "emptyDir" in volumes[volume] or "persistentVolumeClaim" in volumes[volume]
 
 
-def _probes() -> Iterator[tuple[str, list[str], float | None]]:
+def _probes() -> Iterator[tuple[str, list[str], float]]:
     """Every health probe of ours that runs a command: where, its argv, its timeout in s."""
     for path in _dockerfiles():
         text = re.sub(r"\\\n\s*", " ", path.read_text())
@@ -436,7 +429,7 @@ def test_probes_run_the_light_health_check_with_room_to_start() -> None:
     for where, argv, timeout in ours:
         assert argv[:3] == ["python", "-m", "cli.healthcheck"], f"{where}: {argv}"
         _check_command(argv, where)
-        assert timeout is not None and timeout >= 5, f"{where}: timeout {timeout} s"
+        assert timeout >= 5, f"{where}: timeout {timeout} s"
 
 
 def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:
