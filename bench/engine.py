@@ -68,7 +68,7 @@ def run_engine_bench(
     alone). ``progress`` is called with each row as soon as it is measured.
     ``nice`` is the engine's (:class:`models.engine.Engine`).
     """
-    from models.engine import Engine, GenerationRequest, SamplingParams
+    from models.engine import Engine, GenerationRequest, SamplingParams, freeze_heap
 
     engine = Engine(
         loaded,
@@ -81,6 +81,7 @@ def run_engine_bench(
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
     try:
         engine.generate(GenerationRequest("warm-up", encoded[0], params))
+        freeze_heap()  # as the worker does once loaded
         reference: dict[int, str] = {}
         single = _run_level(engine, encoded, params, 1, len(encoded), reference, None)
         single["concurrency"] = 0

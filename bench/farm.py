@@ -748,7 +748,7 @@ def engine_phase(
     """The bare engine's levels, and a token counter for text (the model's tokenizer)."""
     import torch
 
-    from models.engine import Engine
+    from models.engine import Engine, freeze_heap
     from models.loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -767,6 +767,7 @@ def engine_phase(
         nice=settings.engine_nice,  # as the worker's
     )
     engine.start()
+    freeze_heap()  # as the worker does once loaded (the client's threads share this heap)
     try:
         client = EngineClient(engine, definition, args.max_new_tokens)
         levels = run_levels(

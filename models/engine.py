@@ -34,6 +34,7 @@ has taken always gets a finish event.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -255,6 +256,24 @@ class _Sequence:
     def token_at(self, index: int) -> int:
         prompt = self.request.prompt_ids
         return prompt[index] if index < len(prompt) else self.generated[index - len(prompt)]
+
+
+def freeze_heap() -> None:
+    """Put what the process holds now out of the cyclic collector's reach.
+
+    Call once the model is loaded and warm, before serving (vLLM's
+    ``freeze_gc_heap`` does the same). A loaded worker tracks some 470,000
+    objects (the model's modules, the tokenizer, Celery); a full collection
+    walked them all in 218-250 ms (SmolLM2-135M, Zen 4) holding the GIL —
+    twice in a run of 36 jobs — and the steps, the job threads and the
+    claims stopped together: a job's first token came 312 ms after its claim
+    and its neighbours' ``done`` 270 ms late. Frozen, a full collection walks
+    only what was allocated since (1.3 ms in the same run). Garbage is collected first, so
+    nothing unreachable is kept; objects freed by their reference count are
+    freed as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def lower_priority(nice: int) -> None:

@@ -138,6 +138,10 @@ def run_worker(settings: Settings, model: str) -> int:
             remember_start_time(client, settings, model, time.time() - report.started_at)
         except redis.RedisError as exc:
             log.warning("could not record the start time: %s", exc)
+        from models.engine import freeze_heap
+
+        # Loaded, warmed up and consuming: what the process holds now it holds for life.
+        freeze_heap()
         heartbeat.set_state("ready")
         health.start()
         log.info("worker %s ready on queue %s", worker_id, queue_name(model))
