@@ -91,12 +91,11 @@ def _cmd_models_validate(_: argparse.Namespace) -> int:
 
 
 def _cmd_healthcheck(args: argparse.Namespace) -> int:
-    """Exit 0 when healthy: the API answers /healthz, or a worker on this host is ready."""
-    from cli.healthcheck import default_url, probe_api, probe_worker
+    """Exit 0 when healthy: the API answers /healthz, a worker on this host is ready,
+    or the scaler's loop turns."""
+    from cli.healthcheck import run
 
-    if args.worker:
-        return probe_worker(_settings())
-    return probe_api(args.url or default_url())
+    return run(args, _settings() if args.worker or args.scaler else None)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -125,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: SWITCHYARD_DEFAULT_MODEL)")
     p.set_defaults(func=_cmd_worker)
 
-    p = sub.add_parser("healthcheck", help="exit 0 if the API (or this host's worker) is healthy")
+    p = sub.add_parser(
+        "healthcheck", help="exit 0 if the API (or this host's worker, or the scaler) is healthy"
+    )
     from cli.healthcheck import add_arguments as add_healthcheck_arguments
 
     add_healthcheck_arguments(p)

@@ -96,6 +96,7 @@ def _cmd_scaler(args: argparse.Namespace) -> int:
         client,
         executor,
         reaper=reaper_hook(settings, db, client),
+        alive_file=settings.scaler_alive_file,
     )
     stop = threading.Event()
 

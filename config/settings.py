@@ -595,6 +595,11 @@ class Settings(BaseModel):
         """A Redis key under this deployment's prefix."""
         return ":".join((self.redis_prefix, *parts))
 
+    @property
+    def scaler_alive_file(self) -> Path:
+        """Touched by a scaler's loop at every turn (its liveness probe reads the age)."""
+        return self.state_dir / "scaler.alive"
+
     def origins(self) -> frozenset[str]:
         """The allowed origins besides the API's own, normalised (no trailing slash)."""
         return frozenset(

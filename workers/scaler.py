@@ -21,6 +21,14 @@ enqueues a job for a model whose desired count is zero (or unknown); the
 leader waits on that list between ticks, so the first job for a model at zero
 starts a worker at once instead of at the next tick. A lost wake-up costs at
 most one interval: the count is recomputed from the state every tick.
+
+Liveness: a scaler given ``alive_file`` (``switchyard scaler`` and
+``switchyard run``: :attr:`config.Settings.scaler_alive_file`) touches it at
+every turn of its loop, leading or standing by, at least once a second
+unless a tick is under way. The images' probe (``python -m cli.healthcheck
+--scaler``) reads its age: a loop stuck in a tick, or a process stopped,
+shows as a file growing old, whether or not Redis answers (a probe that
+asked Redis would restart every scaler while Redis is away).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -89,6 +98,7 @@ class Scaler:
         ident: str | None = None,
         reaper: Callable[[], Any] | None = None,
         clock: Callable[[], datetime] = utcnow,
+        alive_file: Path | None = None,
     ) -> None:
         self.settings = settings
         self.catalog = catalog
@@ -105,6 +115,8 @@ class Scaler:
         self.history = HistoryRecorder(settings, HistoryStore(db))
         self.lock = LeaderLock(client, self.state.lock_key, settings.scaler_lock_ttl_s, self.id)
         self.leading = False
+        self.alive_file = alive_file
+        self._alive_failed = False
 
     def tick(self, now: datetime | None = None) -> Tick:
         """Decide every model's count from the current state and apply it."""
@@ -225,6 +237,7 @@ class Scaler:
         log.info("scaler %s started (executor %s)", self.id, self.executor.name)
         try:
             while not stop.is_set():
+                self._mark_alive()
                 try:
                     leading = self.lock.hold()
                 except redis.RedisError as exc:
@@ -262,6 +275,21 @@ class Scaler:
             self.executor.close()
             log.info("scaler %s stopped", self.id)
 
+    def _mark_alive(self) -> None:
+        """Touch :attr:`alive_file` (module docstring); a failure is logged once."""
+        if self.alive_file is None:
+            return
+        try:
+            try:
+                self.alive_file.touch()
+            except FileNotFoundError:
+                self.alive_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.alive_file.touch()
+        except OSError as exc:
+            if not self._alive_failed:
+                log.warning("cannot mark this scaler alive in %s: %s", self.alive_file, exc)
+                self._alive_failed = True
+
     def _safe_tick(self) -> None:
         try:
             self.tick()
@@ -284,4 +312,5 @@ def local_scaler(
         Database(settings.database_url),
         client,
         executor,
+        alive_file=settings.scaler_alive_file,
     )

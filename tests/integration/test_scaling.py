@@ -504,6 +504,39 @@ def test_two_scalers_one_leads_the_other_takes_over(
         second.stop()
 
 
+def test_the_scaler_probe_sees_its_loop_stop_and_turn_again(
+    migrated: Settings, tmp_path: Path, log_dir: Path
+) -> None:
+    """What the images' probe of a scaler (``python -m cli.healthcheck --scaler``) tells a
+    container runtime: healthy while the loop turns, unhealthy once it stops."""
+    model = unique("sc-alive")
+    settings = settings_for(
+        migrated, make_models(tmp_path / "models", {model: {}}), state_dir=tmp_path / "state"
+    )
+    env = farm.settings_env(settings)
+
+    def probe(max_age: float) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "cli.healthcheck", "--scaler", "--max-age", str(max_age)]
+        return subprocess.run(
+            argv, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60
+        )
+
+    first = probe(60)
+    assert first.returncode == 1 and "no scaler has run" in first.stderr
+    scaler = _scaler_process(settings, log_dir)
+    try:
+        wait_for(lambda: probe(60).returncode == 0, 120, "the probe to pass")
+        os.kill(scaler.proc.pid, signal.SIGSTOP)  # a loop that no longer turns
+        try:
+            stuck = wait_for(lambda: (r := probe(2)).returncode == 1 and r, 30, "a failed probe")
+            assert "the scaler's loop last turned" in stuck.stderr
+        finally:
+            os.kill(scaler.proc.pid, signal.SIGCONT)
+        wait_for(lambda: probe(2).returncode == 0, 30, "the probe to pass again")
+    finally:
+        scaler.stop()
+
+
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return farm.switchyard(farm.settings_env(settings), *args)
 

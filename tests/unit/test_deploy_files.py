@@ -432,6 +432,29 @@ def test_probes_run_the_light_health_check_with_room_to_start() -> None:
         assert timeout >= 5, f"{where}: timeout {timeout} s"
 
 
+def test_the_scaler_is_probed_as_a_scaler() -> None:
+    """Compose's scaler was probed through the API (healthy while its loop was stuck) and
+    the Kubernetes scaler not at all; both now ask whether its own loop turns."""
+    services = yaml.safe_load((DOCKER / "compose.yml").read_text())["services"]
+    scalers = {n: s for n, s in services.items() if s.get("command", [])[2:4] == ["cli", "scaler"]}
+    assert scalers
+    for name, service in scalers.items():
+        assert _as_argv(service["healthcheck"]["test"])[3:] == ["--scaler"], name
+    pods = [
+        (where, c)
+        for where, _doc, spec in _pod_specs()
+        for c in spec["containers"]
+        if c.get("command", [])[2:4] == ["cli", "scaler"]
+    ]
+    assert pods
+    for where, container in pods:
+        command = container["livenessProbe"]["exec"]["command"]
+        assert command == ["python", "-m", "cli.healthcheck", "--scaler"], where
+        # The file it reads lives in the state folder: writable under a read-only root.
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/var/lib/switchyard" in mounts, where
+
+
 def test_network_policy_keeps_redis_and_postgres_to_the_farm() -> None:
     policies = {
         d["metadata"]["name"]: d for _, d in _k8s_documents() if d["kind"] == "NetworkPolicy"

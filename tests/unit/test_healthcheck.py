@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import http.server
+import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from cli.healthcheck import default_url, probe_api
-from config.settings import PROJECT_ROOT
+from cli.healthcheck import default_url, main, probe_api, probe_scaler
+from config.settings import PROJECT_ROOT, Settings
 
 
 @pytest.mark.parametrize(
@@ -80,6 +83,7 @@ def test_the_probes_import_neither_the_database_layer_nor_the_engine() -> None:
     code = (
         "import sys, cli.healthcheck as h; h.probe_api('http://127.0.0.1:9', 0.5); "
         "import fleet.registry, redis; "  # what probe_worker imports
+        "h.probe_scaler(); "
         "print(' '.join(m for m in ('sqlalchemy', 'torch', 'celery', 'flask', 'cli.main') "
         "if m in sys.modules))"
     )
@@ -87,3 +91,29 @@ def test_the_probes_import_neither_the_database_layer_nor_the_engine() -> None:
         [sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
     )
     assert run.stdout.strip() == ""
+
+
+def test_the_scaler_probe_reads_the_age_of_the_file_its_loop_touches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = Settings(state_dir=tmp_path, database_url="sqlite:///:memory:")
+    assert probe_scaler(settings) == 1, "no scaler ever ran here"
+    assert "no scaler has run" in capsys.readouterr().err
+    settings.scaler_alive_file.touch()
+    assert probe_scaler(settings) == 0
+    old = time.time() - 90
+    os.utime(settings.scaler_alive_file, (old, old))
+    assert probe_scaler(settings) == 1
+    assert "last turned 90 s ago" in capsys.readouterr().err
+    assert probe_scaler(settings, max_age_s=120) == 0
+
+
+def test_the_scaler_probe_takes_its_state_folder_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWITCHYARD_STATE_DIR", str(tmp_path))
+    assert main(["--scaler"]) == 1
+    (tmp_path / "scaler.alive").touch()
+    assert main(["--scaler"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--scaler", "--worker"])  # one probe at a time
