@@ -93,6 +93,28 @@ def _claim_statement() -> UpdateBase:
 
 _CLAIM = _claim_statement()
 
+_OUTCOME = (
+    "status",
+    "output_text",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "error",
+    "first_token_at",
+    "finished_at",
+)
+_FINISH = (
+    cast(Table, Job.__table__)
+    .update()
+    .where(
+        Job.__table__.c.id == bindparam("job_id"),
+        Job.__table__.c.status == JobStatus.running.value,
+        Job.__table__.c.worker == bindparam("worker_id"),
+    )
+    .values({name: bindparam(name, type_=Job.__table__.c[name].type) for name in _OUTCOME})
+)
+"""The final UPDATE of a running job (Core, built once, as the claim's)."""
+
 
 class JobStore:
     """Reads and writes job rows through one :class:`Database`."""
@@ -173,26 +195,20 @@ class JobStore:
 
     def finish(self, job_id: str, worker: str, outcome: JobOutcome) -> bool:
         """Record the final state of a running job claimed by ``worker``."""
+        values = {
+            "job_id": job_id,
+            "worker_id": worker,
+            "status": outcome.status.value,
+            "output_text": outcome.output_text,
+            "finish_reason": outcome.finish_reason,
+            "prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens,
+            "error": outcome.error,
+            "first_token_at": outcome.first_token_at,
+            "finished_at": utcnow(),
+        }
         with self.db.session() as s:
-            result = s.execute(
-                update(Job)
-                .where(
-                    Job.id == job_id,
-                    Job.status == JobStatus.running.value,
-                    Job.worker == worker,
-                )
-                .values(
-                    status=outcome.status.value,
-                    output_text=outcome.output_text,
-                    finish_reason=outcome.finish_reason,
-                    prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=outcome.completion_tokens,
-                    error=outcome.error,
-                    first_token_at=outcome.first_token_at,
-                    finished_at=utcnow(),
-                )
-                .execution_options(synchronize_session=False)
-            )
+            result = s.connection().execute(_FINISH, values)
             return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
     def expire_queued(self, job_id: str) -> bool:

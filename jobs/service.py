@@ -310,6 +310,8 @@ class JobService:
             if isinstance(exc, (redis.RedisError, OSError)):
                 raise QueueDown("the job queue is unavailable; retry shortly") from None
             raise
+        # The row as written: its stream, opened next (here, mostly), need not read it back.
+        self.rows.put(job_row_key(job.id), job)
         # A model at zero starts a worker now: at most one check (and wake-up) per
         # model a second per process; a lost wake-up only waits for the scaler's tick.
         awake = f"awake:{spec.model}"
