@@ -263,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
+        "--quantization",
+        choices=["int4", "int4-a8", "none"],
+        help="the model's weight format instead of its definition's (models/*.yaml)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also measure transformers' static-batch generate and ContinuousBatchingManager",
@@ -284,10 +289,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     catalog = load_catalog(settings.models_dir)
     started = time.perf_counter()
     cache = Path(settings.state_dir) / "models"
-    loaded = load_model(catalog[args.model], catalog, cache, keep_weights=args.compare)
+    definition = catalog[args.model]
+    if args.quantization:
+        definition = definition.model_copy(update={"quantization": args.quantization})
+    loaded = load_model(definition, catalog, cache, keep_weights=args.compare)
     print(
-        f"loaded {args.model} in {time.perf_counter() - started:.1f}s "
-        f"({loaded.device}, {loaded.dtype}, torch threads {torch.get_num_threads()})"
+        f"loaded {args.model} in {time.perf_counter() - started:.1f}s ({loaded.device}, "
+        f"{loaded.dtype}, {loaded.quantization or 'dense'}, "
+        f"torch threads {torch.get_num_threads()})"
     )
     prompts = with_document(PROMPTS[: args.prompts], args.document)
     title = f"engine: {args.model}, greedy, {args.max_new_tokens} new tokens"
@@ -306,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.compare:
         single = rows[0]["tokens_per_s"]
-        copy = load_model(catalog[args.model], catalog, cache, keep_weights=True)
+        copy = load_model(definition, catalog, cache, keep_weights=True)
         alternatives = run_alternatives(
             loaded, copy, max_new_tokens=args.max_new_tokens, prompts=prompts
         )

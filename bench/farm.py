@@ -68,7 +68,13 @@ import requests
 import websocket
 
 from bench.engine import PROMPTS, with_document
-from bench.quality import QualityRow, measure_quality, quality_table, quality_targets
+from bench.quality import (
+    QualityRow,
+    bench_formats,
+    measure_quality,
+    quality_table,
+    quality_targets,
+)
 from config import ModelDefinition, Settings, load_catalog, load_settings
 from config.settings import PROJECT_ROOT
 
@@ -911,7 +917,7 @@ def quality_phase(args: argparse.Namespace, settings: Settings) -> list[QualityR
         update={"dtype": "float32", "quantization": "none", "device": "cpu"}
     )
     loaded = load_model(definition, catalog, settings.state_dir / "models", keep_weights=True)
-    return measure_quality(loaded.model, loaded.tokenizer)
+    return measure_quality(loaded.model, loaded.tokenizer, bench_formats())
 
 
 def peer_phase(

@@ -246,10 +246,12 @@ class ModelDefinition(_Strict):
     source: Source
     backend: Literal["transformers"] = "transformers"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["auto", "none", "int4"] = Field(
+    quantization: Literal["auto", "none", "int4", "int4-a8"] = Field(
         default="auto",
-        description="Linear-layer weights: int4 (4-bit weight-only, groups of 32), none "
-        "(dense in dtype), auto (int4 on a CPU, none on a GPU).",
+        description="Linear-layer weights: int4 (4-bit weights in groups of 32, 16-bit "
+        "activations: the float32 rendition's answers), int4-a8 (the same weights with "
+        "8-bit activations: faster steps of several rows, answers that drift; CPU "
+        "only), none (dense in dtype), auto (int4 on a CPU, none on a GPU).",
     )
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     limits: Limits = Field(default_factory=Limits)

@@ -194,7 +194,9 @@ class LlamaRuntime:
     """The weights of a Llama-shaped model repacked for :meth:`forward`.
 
     ``quantization`` is ``"int4"`` (4-bit weight-only linear layers, see
-    :mod:`models.quant`) or ``None`` (dense in the model's dtype). With int4
+    :mod:`models.quant`), ``"int4-a8"`` (the same weights multiplied with 8-bit
+    activations, :attr:`~models.quant.NativeLinear.Q4_1A8`: the native kernels
+    only) or ``None`` (dense in the model's dtype). With int4 or int4-a8
     the output projection — the largest matrix, which sets the decoding speed
     of a small model, and the one that suffers most from 4 bits — is 8-bit in
     groups of 32 (:class:`~models.quant.Int8Linear`; GGUF's ``Q8_0``).
@@ -215,13 +217,16 @@ class LlamaRuntime:
         hidden = int(config.hidden_size)
         # The engine's own kernels (models/native), where they build: a CPU only.
         lib = native_library() if self.device.type == "cpu" else None
-        if quantization == "int4":
+        if quantization in ("int4", "int4-a8"):
             if not int4_supported(self.device, hidden):
                 raise ValueError(f"int4 weights are not supported on {self.device} for this shape")
+            if quantization == "int4-a8" and lib is None:
+                raise ValueError("int4-a8 needs the native kernels (models/native): a CPU")
+            kind = NativeLinear.Q4_1A8 if quantization == "int4-a8" else NativeLinear.Q4_1
 
             def make(w: torch.Tensor) -> Linear:
                 if lib is not None:
-                    return NativeLinear(w, NativeLinear.Q4_1, lib)
+                    return NativeLinear(w, kind, lib)
                 return Int4Linear(w)
 
             def make_head(w: torch.Tensor) -> Linear:

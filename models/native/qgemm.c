@@ -16,6 +16,8 @@
  * cheaper); on SmolLM2-135M that flips the output layer's choice often enough
  * to change answers ("What is the capital of France?" no longer says Paris,
  * in llama.cpp too), while 16 bits keep the activations closer than bfloat16.
+ * Kind 2 (Q4_1A8, panels only) is that choice for the 4-bit layers, for a
+ * model definition that asks for it (quantization "int4-a8"; see block_q8a).
  *
  * Two layouts of the same weights: GGUF's own blocks (sy_qgemm, for weights
  * whose outputs are not a multiple of 16) and panels of 16 outputs (sy_pgemm,
@@ -130,22 +132,32 @@ int sy_block_q4_1_size(void) { return (int)sizeof(block_q4_1); }
 int sy_block_q8_0_size(void) { return (int)sizeof(block_q8_0); }
 int sy_avx2(void) { return SY_AVX2; }
 
+#if defined(__AVX512F__)
+/* A block of 32 floats as integers in -top..top (two vectors of 16 int32) with
+   its scale d = amax / top: round to nearest, ties away from zero. */
+static inline float quantize_block512(const float *v, int top, __m512i *q0, __m512i *q1) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
+    __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    float d = amax / (float)top, id = d > 0.0f ? 1.0f / d : 0.0f;
+    __m512 s0 = _mm512_mul_ps(v0, _mm512_set1_ps(id)), s1 = _mm512_mul_ps(v1, _mm512_set1_ps(id));
+    /* |s| + 0.5 truncated, with s's sign: ties away from zero, as roundf */
+    __m512i a = _mm512_cvttps_epi32(_mm512_or_ps(_mm512_add_ps(_mm512_andnot_ps(sign, s0), half), _mm512_and_ps(sign, s0)));
+    __m512i b = _mm512_cvttps_epi32(_mm512_or_ps(_mm512_add_ps(_mm512_andnot_ps(sign, s1), half), _mm512_and_ps(sign, s1)));
+    const __m512i hi = _mm512_set1_epi32(top), lo = _mm512_set1_epi32(-top);
+    *q0 = _mm512_max_epi32(_mm512_min_epi32(a, hi), lo);
+    *q1 = _mm512_max_epi32(_mm512_min_epi32(b, hi), lo);
+    return d;
+}
+#endif
+
 /* One row of k floats to k / 32 16-bit blocks (round to nearest, ties away from zero). */
 static void quantize_row_q16(const float *x, block_q16 *out, int k) {
     for (int b = 0; b < k / QK; b++) {
         const float *v = x + b * QK;
 #if defined(__AVX512F__)
-        const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
-        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        __m512 s0 = _mm512_mul_ps(v0, _mm512_set1_ps(id)), s1 = _mm512_mul_ps(v1, _mm512_set1_ps(id));
-        /* |s| + 0.5 truncated, with s's sign: ties away from zero, as roundf */
-        __m512i q0 = _mm512_cvttps_epi32(_mm512_or_ps(_mm512_add_ps(_mm512_andnot_ps(sign, s0), half), _mm512_and_ps(sign, s0)));
-        __m512i q1 = _mm512_cvttps_epi32(_mm512_or_ps(_mm512_add_ps(_mm512_andnot_ps(sign, s1), half), _mm512_and_ps(sign, s1)));
-        const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
-        q0 = _mm512_max_epi32(_mm512_min_epi32(q0, top), bottom);
-        q1 = _mm512_max_epi32(_mm512_min_epi32(q1, top), bottom);
+        __m512i q0, q1;
+        const float d = quantize_block512(v, 32767, &q0, &q1);
         _mm256_storeu_si256((__m256i *)out[b].qs, _mm512_cvtepi32_epi16(q0));
         _mm256_storeu_si256((__m256i *)(out[b].qs + 16), _mm512_cvtepi32_epi16(q1));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
@@ -193,6 +205,57 @@ static void quantize_row_q16(const float *x, block_q16 *out, int k) {
             int q = (int)roundf(v[i] * id);
             q = q > 32767 ? 32767 : q < -32767 ? -32767 : q;
             out[b].qs[i] = (int16_t)q;
+            sum += q;
+        }
+#endif
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+/*
+ * 8-bit activations (kind 2, Q4_1A8: the same Q4_1 weights): a row's block of
+ * 32 as a = dx * qx, qx in -127..127 (llama.cpp's Q8_0 for activations), so a
+ * block's products are u8 x s8 (vpdpbusd: 64 products into 16 int32 lanes,
+ * twice vpdpwssd's; vpmaddubsw with AVX2). About a third less time for the
+ * 4-bit layers of a step of 8 rows (bench/README.md), at the price of the
+ * activations' precision: the answers are no longer the float32 rendition's
+ * (bench/quality.py), which is why it is a choice (quantization "int4-a8")
+ * and not the default.
+ */
+typedef struct {
+    float d;
+    float s; /* d * sum(qs) */
+    int8_t qs[QK];
+} block_q8a;
+
+int sy_block_q8a_size(void) { return (int)sizeof(block_q8a); }
+
+/* One row of k floats to k / 32 8-bit blocks: the operations of quantize_row_q16
+   with 127 for 32767, in every build. */
+static inline void quantize_row_q8a(const float *x, block_q8a *out, int k) {
+    for (int b = 0; b < k / QK; b++) {
+        const float *v = x + b * QK;
+#if defined(__AVX512F__)
+        __m512i q0, q1;
+        const float d = quantize_block512(v, 127, &q0, &q1);
+        _mm_storeu_si128((__m128i *)out[b].qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const float sc = v[i] * id;
+            int q = (int)(fabsf(sc) + 0.5f); /* as the AVX-512 lanes: the same bits */
+            q = sc < 0.0f ? -q : q;
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            out[b].qs[i] = (int8_t)q;
             sum += q;
         }
 #endif
@@ -316,11 +379,17 @@ static void dot_q8_0(const block_q8_0 *w, const block_q16 *x, int blocks, int nr
 #endif
 }
 
+/* The scale and sum of a row's block (d, then s: block_q16's and block_q8a's first fields). */
+static inline const float *block_ds(int kind, const void *xq, size_t i) {
+    return kind == 2 ? &((const block_q8a *)xq)[i].d : &((const block_q16 *)xq)[i].d;
+}
+
 /*
  * y[rows, n] = x[rows, k] @ W[n, k]^T for W in Q4_1 (kind 0) or Q8_0 (kind 1)
  * blocks, row-major, n rows of k / 32 blocks. Returns 0, or -1 if out of memory.
  */
 int sy_qgemm(int kind, const float *x, int rows, int k, const void *weight, int n, float *y) {
+    if (kind != 0 && kind != 1) return -2; /* Q4_1A8 is laid out in panels only */
     const int blocks = k / QK;
     block_q16 *xq = malloc(sizeof(block_q16) * (size_t)blocks * (size_t)rows);
     if (!xq) return -1;
@@ -392,14 +461,24 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #define PR 4 /* rows per register tile */
 #define TEAM_ROWS 3 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
 
-/* y[r, 16 g .. 16 g + 31] (two lanes groups g, g + 1 when g2) for nr <= PR rows. */
+/*
+ * Q4_1A8 panels (256 bytes, the same codes as Q4_1's in another order): octet o
+ * (0..3), lane l, j (0..3): low nibble q[l][8o + j], high nibble q[l][8o + 4 + j].
+ * A 64-byte load is 16 lanes of 4 codes for one 4-byte group of a row's 8-bit
+ * activations (low nibbles) and 4 for the next (high nibbles): vpdpbusd.
+ */
+
+/* y[r, 16 g .. 16 g + 31] (two lanes groups g, g + 1 when g2) for nr <= PR rows;
+   xq holds block_q16 (kinds 0, 1) or block_q8a (kind 2). */
 static inline __attribute__((always_inline)) void panel_tile(
-    int kind, const block_q16 *xq, int blocks, const uint8_t *codes, const uint16_t *d,
+    int kind, const void *xq, int blocks, const uint8_t *codes, const uint16_t *d,
     const uint16_t *m, int g, int g2, int nr, float *y, int n) {
-    const size_t psize = kind == 0 ? 256 : 512;
+    const size_t psize = kind == 1 ? 512 : 256;
+    const block_q16 *x16 = xq;
+    const block_q8a *x8 = xq;
     __m512 acc[PR][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0x0f);
+    const __m512i low = _mm512_set1_epi16(0x0f), nibbles = _mm512_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
         const uint8_t *c0 = codes + ((size_t)g * blocks + b) * psize;
         const uint8_t *c1 = c0 + (size_t)blocks * psize;
@@ -416,7 +495,7 @@ static inline __attribute__((always_inline)) void panel_tile(
                     a1 = _mm512_and_si512(v1, low), b1 = _mm512_srli_epi16(v1, 4);
                 }
                 for (int r = 0; r < nr; r++) {
-                    const int16_t *qx = xq[(size_t)r * blocks + b].qs + 4 * t;
+                    const int16_t *qx = x16[(size_t)r * blocks + b].qs + 4 * t;
                     int32_t lo, hi;
                     memcpy(&lo, qx, 4);
                     memcpy(&hi, qx + 2, 4);
@@ -425,13 +504,34 @@ static inline __attribute__((always_inline)) void panel_tile(
                     if (g2) sum[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][1], a1, xlo), b1, xhi);
                 }
             }
+        } else if (kind == 2) {
+            for (int o = 0; o < 4; o++) {
+                const __m512i v0 = _mm512_loadu_si512((const void *)(c0 + 64 * o));
+                const __m512i a0 = _mm512_and_si512(v0, nibbles);
+                const __m512i b0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibbles);
+                __m512i a1 = a0, b1 = b0;
+                if (g2) {
+                    const __m512i v1 = _mm512_loadu_si512((const void *)(c1 + 64 * o));
+                    a1 = _mm512_and_si512(v1, nibbles);
+                    b1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibbles);
+                }
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *qx = x8[(size_t)r * blocks + b].qs + 8 * o;
+                    int32_t lo, hi;
+                    memcpy(&lo, qx, 4);
+                    memcpy(&hi, qx + 4, 4);
+                    const __m512i xlo = _mm512_set1_epi32(lo), xhi = _mm512_set1_epi32(hi);
+                    sum[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[r][0], a0, xlo), b0, xhi);
+                    if (g2) sum[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[r][1], a1, xlo), b1, xhi);
+                }
+            }
         } else {
             for (int p = 0; p < 16; p++) {
                 __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c0 + 32 * p))), w1;
                 if (g2) w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c1 + 32 * p)));
                 for (int r = 0; r < nr; r++) {
                     int32_t pair;
-                    memcpy(&pair, xq[(size_t)r * blocks + b].qs + 2 * p, 4);
+                    memcpy(&pair, x16[(size_t)r * blocks + b].qs + 2 * p, 4);
                     __m512i xv = _mm512_set1_epi32(pair);
                     sum[r][0] = _mm512_dpwssd_epi32(sum[r][0], w0, xv);
                     if (g2) sum[r][1] = _mm512_dpwssd_epi32(sum[r][1], w1, xv);
@@ -442,14 +542,14 @@ static inline __attribute__((always_inline)) void panel_tile(
         for (int h = 0; h < 1 + g2; h++) {
             const size_t s = h ? s1 : s0;
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + s)));
-            const __m512 mv = kind == 0 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + s)))
+            const __m512 mv = kind != 1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + s)))
                                         : _mm512_setzero_ps();
             for (int r = 0; r < nr; r++) {
-                const block_q16 *xb = xq + (size_t)r * blocks + b;
-                acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(xb->d)),
+                const float *xb = block_ds(kind, xq, (size_t)r * blocks + b);
+                acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(xb[0])),
                                             _mm512_cvtepi32_ps(sum[r][h]), acc[r][h]);
-                if (kind == 0)
-                    acc[r][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb->s), acc[r][h]);
+                if (kind != 1)
+                    acc[r][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xb[1]), acc[r][h]);
             }
         }
     }
@@ -466,7 +566,7 @@ static inline __attribute__((always_inline)) void panel_tile(
         else panel_tile(kind, xq, blocks, codes, d, m, g, 0, R, y, n);              \
         break;
 
-static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *codes,
+static void panel_any(int kind, const void *xq, int blocks, const uint8_t *codes,
                       const uint16_t *d, const uint16_t *m, int g, int g2, int nr, float *y, int n) {
     switch (nr) {
         PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2) PANEL_CASE(1)
@@ -488,12 +588,15 @@ static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *
  * same order, so both kernels give the same bits.
  */
 static inline __attribute__((always_inline)) void panel_tile8(
-    int kind, const block_q16 *xq, int blocks, const uint8_t *codes, const uint16_t *d,
+    int kind, const void *xq, int blocks, const uint8_t *codes, const uint16_t *d,
     const uint16_t *m, int g, int nr, float *y, int n) {
-    const size_t psize = kind == 0 ? 256 : 512;
+    const size_t psize = kind == 1 ? 512 : 256;
+    const block_q16 *x16 = xq;
+    const block_q8a *x8 = xq;
     __m256 acc[PR][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0f);
+    const __m256i low = _mm256_set1_epi16(0x0f), nibbles = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < blocks; b++) {
         const uint8_t *c = codes + ((size_t)g * blocks + b) * psize;
         prefetch_ahead(c, psize);
@@ -506,7 +609,7 @@ static inline __attribute__((always_inline)) void panel_tile8(
                 __m256i a0 = _mm256_and_si256(v0, low), b0 = _mm256_srli_epi16(v0, 4);
                 __m256i a1 = _mm256_and_si256(v1, low), b1 = _mm256_srli_epi16(v1, 4);
                 for (int r = 0; r < nr; r++) {
-                    const int16_t *qx = xq[(size_t)r * blocks + b].qs + 4 * t;
+                    const int16_t *qx = x16[(size_t)r * blocks + b].qs + 4 * t;
                     int32_t lo, hi;
                     memcpy(&lo, qx, 4);
                     memcpy(&hi, qx + 2, 4);
@@ -517,13 +620,36 @@ static inline __attribute__((always_inline)) void panel_tile8(
                         sum[r][1], _mm256_add_epi32(_mm256_madd_epi16(a1, xlo), _mm256_madd_epi16(b1, xhi)));
                 }
             }
+        } else if (kind == 2) {
+            /* vpmaddubsw (u8 codes x s8 activations, pairs summed into 16-bit lanes, at
+               most 2 * 15 * 127: no saturation) then vpmaddwd by ones: vpdpbusd's exact
+               sums; lanes 0-7 in the first 32 bytes of each 64. */
+            for (int o = 0; o < 4; o++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(c + 64 * o));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + 64 * o + 32));
+                const __m256i a0 = _mm256_and_si256(v0, nibbles);
+                const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibbles);
+                const __m256i a1 = _mm256_and_si256(v1, nibbles);
+                const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibbles);
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *qx = x8[(size_t)r * blocks + b].qs + 8 * o;
+                    int32_t lo, hi;
+                    memcpy(&lo, qx, 4);
+                    memcpy(&hi, qx + 4, 4);
+                    const __m256i xlo = _mm256_set1_epi32(lo), xhi = _mm256_set1_epi32(hi);
+                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, xlo), _mm256_maddubs_epi16(b0, xhi));
+                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(a1, xlo), _mm256_maddubs_epi16(b1, xhi));
+                    sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(p0, ones));
+                    sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(p1, ones));
+                }
+            }
         } else {
             for (int p = 0; p < 16; p++) {
                 __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * p)));
                 __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * p + 16)));
                 for (int r = 0; r < nr; r++) {
                     int32_t pair;
-                    memcpy(&pair, xq[(size_t)r * blocks + b].qs + 2 * p, 4);
+                    memcpy(&pair, x16[(size_t)r * blocks + b].qs + 2 * p, 4);
                     __m256i xv = _mm256_set1_epi32(pair);
                     sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(w0, xv));
                     sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(w1, xv));
@@ -533,14 +659,14 @@ static inline __attribute__((always_inline)) void panel_tile8(
         const size_t s = ((size_t)g * blocks + b) * 16;
         for (int h = 0; h < 2; h++) {
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + s + 8 * h)));
-            const __m256 mv = kind == 0 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + s + 8 * h)))
+            const __m256 mv = kind != 1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + s + 8 * h)))
                                         : _mm256_setzero_ps();
             for (int r = 0; r < nr; r++) {
-                const block_q16 *xb = xq + (size_t)r * blocks + b;
-                acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(xb->d)),
+                const float *xb = block_ds(kind, xq, (size_t)r * blocks + b);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(xb[0])),
                                             _mm256_cvtepi32_ps(sum[r][h]), acc[r][h]);
-                if (kind == 0)
-                    acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xb->s), acc[r][h]);
+                if (kind != 1)
+                    acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xb[1]), acc[r][h]);
             }
         }
     }
@@ -557,7 +683,7 @@ static inline __attribute__((always_inline)) void panel_tile8(
         if (g2) panel_tile8(kind, xq, blocks, codes, d, m, g + 1, R, y, n);         \
         break;
 
-static void panel_any(int kind, const block_q16 *xq, int blocks, const uint8_t *codes,
+static void panel_any(int kind, const void *xq, int blocks, const uint8_t *codes,
                       const uint16_t *d, const uint16_t *m, int g, int g2, int nr, float *y, int n) {
     switch (nr) {
         PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2) PANEL_CASE(1)
@@ -574,9 +700,9 @@ int sy_panels(void) { return SY_PANELS; }
 
 
 /*
- * y[rows, n] = x[rows, k] @ W[n, k]^T for W in panels (kind 0: Q4_1, 1: Q8_0):
- * codes [n / 16, k / 32, panel], d and m [n / 16, k / 32, 16] half floats (m
- * unused for Q8_0); n a multiple of 16. Returns 0, -1 if out of memory, -2 where the
+ * y[rows, n] = x[rows, k] @ W[n, k]^T for W in panels (kind 0: Q4_1, 1: Q8_0,
+ * 2: Q4_1A8): codes [n / 16, k / 32, panel], d and m [n / 16, k / 32, 16] half
+ * floats (m unused for Q8_0); n a multiple of 16. Returns 0, -1 if out of memory, -2 where the
  * library was built without AVX2 or AVX512-VNNI.
  */
 #if SY_PANELS
@@ -590,13 +716,17 @@ static void pgemm_team(int kind, const float *x, int rows, int k, const uint8_t 
                        const uint16_t *d, const uint16_t *m, int n, float *y, block_q16 *xq,
                        int private) {
     const int blocks = k / QK, pairs = (n / 16 + 1) / 2;
+    /* Q4_1A8's 8-bit blocks in the same buffer (smaller than the 16-bit ones). */
+    block_q8a *xq8 = (block_q8a *)xq;
     if (private) {
         for (int r = 0; r < rows; r++)
-            quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+            if (kind == 2) quantize_row_q8a(x + (size_t)r * k, xq8 + (size_t)r * blocks, k);
+            else quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
     } else {
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
-            quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+            if (kind == 2) quantize_row_q8a(x + (size_t)r * k, xq8 + (size_t)r * blocks, k);
+            else quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
     }
     /* Handed out in shrinking runs of consecutive pairs of panels (guided):
        each thread streams long runs of contiguous weights, which the prefetch
@@ -612,8 +742,9 @@ static void pgemm_team(int kind, const float *x, int rows, int k, const uint8_t 
         const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
         for (int r0 = 0; r0 < rows; r0 += PR) {
             const int nr = rows - r0 < PR ? rows - r0 : PR;
-            panel_any(kind, xq + (size_t)r0 * blocks, blocks, codes, d, m, g, g2, nr,
-                      y + (size_t)r0 * n, n);
+            const void *xr = kind == 2 ? (const void *)(xq8 + (size_t)r0 * blocks)
+                                       : (const void *)(xq + (size_t)r0 * blocks);
+            panel_any(kind, xr, blocks, codes, d, m, g, g2, nr, y + (size_t)r0 * n, n);
         }
     }
 }

@@ -50,25 +50,42 @@ def _q16_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).view_as(x)
 
 
-@pytest.mark.parametrize("kind", [NativeLinear.Q4_1, NativeLinear.Q8_0])
+def _q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the ``Q4_1A8`` kernel sees it: 8 bits per block of 32, round half away
+    from zero."""
+    blocks = x.view(x.shape[0], -1, GROUP_SIZE)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (q * d).view_as(x)
+
+
+@pytest.mark.parametrize("kind", [NativeLinear.Q4_1, NativeLinear.Q8_0, NativeLinear.Q4_1A8])
 @pytest.mark.parametrize("outputs", [72, 96])
 def test_grouped_matmuls_compute_their_weights_and_give_a_row_the_same_bits_in_any_batch(
     kind: int, outputs: int
 ) -> None:
     """72 outputs take the block kernel; 96 (a multiple of 16) the panel kernel where
-    the CPU has AVX2 or AVX512-VNNI."""
+    the CPU has AVX2 or AVX512-VNNI. ``Q4_1A8`` (8-bit activations) exists in panels
+    only: elsewhere the layer is ``Q4_1``."""
     assert lib is not None
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(outputs, 6 * GROUP_SIZE, generator=gen) * 0.05
     layer = NativeLinear(weight, kind, lib, dense=torch.float32, max_rows=40)
     assert layer.panels == (outputs % PANEL_WIDTH == 0 and bool(lib.sy_panels()))
+    if kind == NativeLinear.Q4_1A8:
+        assert layer.kind == (NativeLinear.Q4_1A8 if layer.panels else NativeLinear.Q4_1)
     x = torch.randn(37, weight.shape[1], generator=gen)
     got = layer(x)
-    exact = _q16_activations(x) @ layer.dense.t()
+    seen = _q8_activations(x) if layer.kind == NativeLinear.Q4_1A8 else _q16_activations(x)
+    exact = seen @ layer.dense.t()
     torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
     reference = x @ weight.t()  # the original weight: 4 or 8 bits lose a little of it
     error = float((got - reference).norm() / reference.norm())
-    assert error < (0.1 if kind == NativeLinear.Q4_1 else 0.01), error
+    assert error < (0.01 if kind == NativeLinear.Q8_0 else 0.1), error
+    if layer.kind == NativeLinear.Q4_1A8:  # 8-bit activations lose more than 16-bit ones
+        sixteen = NativeLinear(weight, NativeLinear.Q4_1, lib)(x)
+        assert float((got - sixteen).norm() / sixteen.norm()) > 1e-3
     for rows in (1, 2, 3, 4, 5, 8, 17):
         for start in (0, 3):
             assert torch.equal(layer(x[start : start + rows]), got[start : start + rows])
@@ -194,13 +211,19 @@ def _tiny_llama() -> PreTrainedModel:
     return _model("llama")  # the random Llama the runtime's own tests hold to transformers
 
 
-def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> None:
+@pytest.mark.parametrize("quantization", ["int4", "int4-a8"])
+def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched(
+    quantization: str,
+) -> None:
     """The whole step, native kernels throughout: a sequence's logits do not depend on
-    the other sequences decoding beside it."""
+    the other sequences decoding beside it, with 16-bit or 8-bit activations."""
     model = _tiny_llama()
     with torch.inference_mode():
-        runtime = LlamaRuntime(model, quantization="int4")
+        runtime = LlamaRuntime(model, quantization=quantization)
         assert isinstance(runtime.layers[0].qkv, NativeLinear)
+        if quantization == "int4-a8" and runtime.native_layers is not None:
+            assert runtime.layers[0].down.kind == NativeLinear.Q4_1A8
+            assert runtime.lm_head.kind == NativeLinear.Q8_0  # 16-bit activations
         assert runtime.ops is not None
         cache = runtime.new_cache(4, 64)
         cache.ensure(32)
@@ -237,8 +260,12 @@ def test_an_int4_runtime_decodes_a_row_to_the_same_bits_alone_or_batched() -> No
                 runtime.native_layers = fused
 
 
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("head_dim", "quantization"), [(16, "int4"), (64, "int4"), (64, "int4-a8")]
+)
+def test_a_step_on_two_threads_gives_each_row_its_bits_alone(
+    head_dim: int, quantization: str
+) -> None:
     """Eight decoding rows on two threads: each thread takes four rows through every
     layer (``sy_decode_layers``' split); three rows, or one, are too few to split and
     share one parallel region for the whole step (``layers_in_team``), four too where
@@ -254,7 +281,7 @@ def test_a_step_on_two_threads_gives_each_row_its_bits_alone(head_dim: int) -> N
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():
-            runtime = LlamaRuntime(model, quantization="int4")
+            runtime = LlamaRuntime(model, quantization=quantization)
             if runtime.native_layers is None:
                 pytest.skip("no panels on this CPU: no fused step to split")
             cache = runtime.new_cache(8, 64)
@@ -355,6 +382,9 @@ def test_without_a_compiler_the_runtime_keeps_pytorchs_int4_kernel(
         runtime = LlamaRuntime(_tiny_llama(), quantization="int4")
     assert isinstance(runtime.layers[0].qkv, Int4Linear)
     assert runtime.ops is None
+    # 8-bit activations exist in the native kernels only: a clear refusal, not int4.
+    with pytest.raises(ValueError, match="int4-a8 needs the native kernels"):
+        LlamaRuntime(_tiny_llama(), quantization="int4-a8")
 
 
 def test_the_setting_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
