@@ -263,6 +263,12 @@ class ModelDefinition(_Strict):
     scaling: Scaling = Field(default_factory=Scaling)
 
     @model_validator(mode="after")
+    def _int4_a8_on_a_cpu(self) -> ModelDefinition:
+        if self.quantization == "int4-a8" and self.device.startswith("cuda"):
+            raise ValueError("quantization int4-a8 runs on a CPU only (device: auto or cpu)")
+        return self
+
+    @model_validator(mode="after")
     def _sampling_within_limits(self) -> ModelDefinition:
         if self.sampling.max_new_tokens > self.limits.max_new_tokens:
             raise ValueError("sampling.max_new_tokens is above limits.max_new_tokens")

@@ -107,6 +107,10 @@ GOOD = "name: {name}\nsource: {{kind: local, path: /tmp/x}}\n"
             "scaling",
         ),
         ("name: bad\nsource: {kind: local, path: /x}\ncolour: red\n", "colour"),
+        (
+            "name: bad\nsource: {kind: local, path: /x}\nquantization: int4-a8\ndevice: cuda\n",
+            "(file)",
+        ),
         ("name: other\nsource: {kind: local, path: /x}\n", "name"),
         ("- a list\n", "(file)"),
         ("name: [unclosed\n", "(file)"),

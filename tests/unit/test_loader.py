@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from config import Catalog, ModelDefinition
-from models.engine import Engine, GenerationRequest, SamplingParams
+from models.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from models.errors import ModelLoadError
 from models.loader import (
     MARKER,
@@ -180,6 +180,40 @@ def test_int4_weights_hold_q4_1_codes_exactly_and_still_generate(
         engine.stop()
     assert first.finish_reason in ("length", "eos_token")
     assert first.completion_tokens > 0 and first.text == second.text
+
+
+def test_int4_a8_serves_sampled_requests_alone_and_batched_alike(
+    catalog: Catalog, model_cache_dir: Path
+) -> None:
+    """The 8-bit-activation choice (``quantization: int4-a8``) through the engine: a
+    seeded sampled request draws the same text alone and beside others."""
+    from models import native
+    from models.quant import NativeLinear
+
+    lib = native.library()
+    if lib is None or not lib.sy_panels():
+        pytest.skip("int4-a8 needs the native kernels' panels (AVX2 or AVX512-VNNI)")
+
+    definition = catalog["tiny-random"].model_copy(update={"quantization": "int4-a8"})
+    loaded = load_model(definition, catalog, model_cache_dir)
+    assert loaded.quantization == "int4-a8"
+    assert loaded.runtime.layers[0].gate_up.kind == NativeLinear.Q4_1A8
+    engine = Engine(loaded, max_batch_size=4, max_input_tokens=512)
+    engine.start()
+    try:
+        ids = engine.encode_chat([{"role": "user", "content": "hello"}])
+        params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=7)
+        alone = engine.generate(GenerationRequest("a", ids, params))
+        others = [
+            engine.submit(GenerationRequest(f"o{i}", ids[:-1], SamplingParams(max_new_tokens=8)))
+            for i in range(3)
+        ]
+        together = engine.generate(GenerationRequest("b", ids, params))
+        for other in others:
+            assert any(isinstance(event, FinishEvent) for event in other)
+    finally:
+        engine.stop()
+    assert alone.completion_tokens > 0 and alone.text == together.text
 
 
 def test_quantization_auto_is_int4_on_a_cpu_and_none_asked_is_dense(
