@@ -322,7 +322,10 @@ def test_a_step_on_two_threads_gives_each_row_its_bits_alone(
         torch.set_num_threads(threads)
 
 
-def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> None:
+@pytest.mark.parametrize("quantization", ["int4", "int4-a8"])
+def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone(
+    quantization: str,
+) -> None:
     """With every layer in one call, a prompt's tokens are rows like decoding ones: one
     chunk, two chunks beside a decoding row, or one token a step give the same logits
     and the same cache, to the bit; and the same function as the layer-by-layer path.
@@ -332,7 +335,7 @@ def test_a_prefilled_token_gets_the_bits_of_the_same_token_decoded_alone() -> No
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     with torch.inference_mode():
-        runtime = LlamaRuntime(model, quantization="int4")
+        runtime = LlamaRuntime(model, quantization=quantization)
         if runtime.native_layers is None:
             pytest.skip("no panels on this CPU: prefill runs layer by layer")
         prompt = [5, 9, 2, 77, 31, 4, 8]
