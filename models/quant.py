@@ -235,7 +235,7 @@ class NativeLinear:
     Q4_1, Q8_0, Q4_1A8 = 0, 1, 2
     """Kinds: ``Q4_1A8`` is ``Q4_1``'s weights, code for code, multiplied with 8-bit
     activations (``qgemm.c``'s ``vpdpbusd`` panels; quantization ``int4-a8``): a
-    step of several rows is about a third cheaper in these layers, and the answers
+    step of several rows is about a quarter cheaper in these layers, and the answers
     move away from the float32 rendition's (bench/README.md). Panels only: where
     the library has none, or the outputs are not a multiple of 16, the layer
     falls back to ``Q4_1`` (16-bit activations)."""

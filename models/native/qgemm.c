@@ -217,8 +217,8 @@ static void quantize_row_q16(const float *x, block_q16 *out, int k) {
  * 8-bit activations (kind 2, Q4_1A8: the same Q4_1 weights): a row's block of
  * 32 as a = dx * qx, qx in -127..127 (llama.cpp's Q8_0 for activations), so a
  * block's products are u8 x s8 (vpdpbusd: 64 products into 16 int32 lanes,
- * twice vpdpwssd's; vpmaddubsw with AVX2). About a third less time for the
- * 4-bit layers of a step of 8 rows (bench/README.md), at the price of the
+ * twice vpdpwssd's; vpmaddubsw with AVX2). About a quarter less time for the
+ * 4-bit layers of a step of 8 rows on a Zen 4 (bench/README.md), at the price of the
  * activations' precision: the answers are no longer the float32 rendition's
  * (bench/quality.py), which is why it is a choice (quantization "int4-a8")
  * and not the default.
@@ -228,8 +228,6 @@ typedef struct {
     float s; /* d * sum(qs) */
     int8_t qs[QK];
 } block_q8a;
-
-int sy_block_q8a_size(void) { return (int)sizeof(block_q8a); }
 
 /* One row of k floats to k / 32 8-bit blocks: the operations of quantize_row_q16
    with 127 for 32767, in every build. */
