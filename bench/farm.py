@@ -1187,6 +1187,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=None, help="default: REDIS_URL or embedded")
     parser.add_argument("--redis-prefix", default=None, help="default: a fresh bench<hex>")
     parser.add_argument("--models-dir", default=None, help="default: the settings' models_dir")
+    parser.add_argument(
+        "--quantization",
+        choices=["int4", "int4-a8", "none"],
+        help="the model's weight format instead of its definition's (engine and farm)",
+    )
     parser.add_argument("--api-port", type=int, default=None, help="default: a free port")
     parser.add_argument("--json", default=None, help="also write every number to this file")
     args = parser.parse_args(argv)
@@ -1197,6 +1202,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # Every phase sends the same prompts (with the document before each, if any).
     args.prompts = with_document(PROMPTS, args.document)
     return args
+
+
+def _models_with_quantization(models_dir: Path, log_dir: Path, model: str, spec: str) -> Path:
+    """A copy of ``models_dir`` under ``log_dir`` whose ``model`` says ``quantization: spec``
+    (the engine's phase and the farm's worker both read it)."""
+    import shutil
+
+    import yaml
+
+    copy = log_dir / "models"
+    shutil.copytree(models_dir, copy)
+    path = copy / f"{model}.yaml"
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data["quantization"] = spec
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return copy
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1215,9 +1236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"bench: {args.subscribers} subscribers need more than {open_files} files")
     log_dir = base.state_dir / "bench" / time.strftime("run-%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.quantization:
+        models_dir = _models_with_quantization(models_dir, log_dir, args.model, args.quantization)
+        args.models_dir = str(models_dir)
+        definition = load_catalog(models_dir)[args.model]
     load_before = os.getloadavg()
     print(
-        f"farm benchmark: {args.model}, greedy, {args.max_new_tokens} new tokens, "
+        f"farm benchmark: {args.model} (quantization {definition.quantization}), greedy, "
+        f"{args.max_new_tokens} new tokens, "
         f"{args.requests_per_client} requests per client, threads {args.threads}"
         f"{f', a {args.document}-word document before every prompt' if args.document else ''}"
         f"{f' (worker {args.worker_threads})' if args.worker_threads else ''}, "

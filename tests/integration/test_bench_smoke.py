@@ -13,6 +13,7 @@ from pathlib import Path
 
 from config import Settings
 from config.settings import PROJECT_ROOT
+from models import native
 from tests.farm import processes_of_farm
 
 
@@ -60,6 +61,12 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
+    # The format a user compares with: the 8-bit-activation choice where the native
+    # kernels have panels (the engine's phase and the farm's worker both load it).
+    lib = native.library()
+    a8 = lib is not None and bool(lib.sy_panels())
+    if a8:
+        argv += ["--quantization", "int4-a8"]
     result = subprocess.run(
         argv, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=280, check=False
     )
@@ -74,5 +81,7 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     assert report["subscribers"]["opened"] == 3
     assert "farm / engine tok/s at 8 clients" in result.stdout
     assert "a 30-word document before every prompt" in result.stdout
+    assert f"(quantization {'int4-a8' if a8 else 'none'})" in result.stdout
+    assert "quantization: none" in (models / "tiny-bench.yaml").read_text()  # a copy changed
     # Every process the benchmark started is gone.
     assert processes_of_farm(migrated.redis_prefix, "tiny-bench") == []
