@@ -151,6 +151,25 @@ static inline float quantize_block512(const float *v, int top, __m512i *q0, __m5
 }
 #endif
 
+/* The same without vectors: |s| + 0.5 truncated with s's sign, as the vector lanes
+   do it (roundf would differ from them where |s| + 0.5 rounds up in float). */
+static inline __attribute__((unused)) float quantize_block_scalar(const float *v, int top,
+                                                                  int32_t q[QK]) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    float d = amax / (float)top, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < QK; i++) {
+        const float sc = v[i] * id;
+        int r = (int)(fabsf(sc) + 0.5f);
+        r = sc < 0.0f ? -r : r;
+        q[i] = r > top ? top : r < -top ? -top : r;
+    }
+    return d;
+}
+
 /* One row of k floats to k / 32 16-bit blocks (round to nearest, ties away from zero). */
 static void quantize_row_q16(const float *x, block_q16 *out, int k) {
     for (int b = 0; b < k / QK; b++) {
@@ -194,18 +213,12 @@ static void quantize_row_q16(const float *x, block_q16 *out, int k) {
         t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
         const int sum = _mm_cvtsi128_si32(t4);
 #else
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t q[QK];
+        const float d = quantize_block_scalar(v, 32767, q);
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            int q = (int)roundf(v[i] * id);
-            q = q > 32767 ? 32767 : q < -32767 ? -32767 : q;
-            out[b].qs[i] = (int16_t)q;
-            sum += q;
+            out[b].qs[i] = (int16_t)q[i];
+            sum += q[i];
         }
 #endif
         out[b].d = d;
@@ -241,20 +254,12 @@ static inline void quantize_row_q8a(const float *x, block_q8a *out, int k) {
         _mm_storeu_si128((__m128i *)(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-        }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t q[QK];
+        const float d = quantize_block_scalar(v, 127, q);
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            const float sc = v[i] * id;
-            int q = (int)(fabsf(sc) + 0.5f); /* as the AVX-512 lanes: the same bits */
-            q = sc < 0.0f ? -q : q;
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            out[b].qs[i] = (int8_t)q;
-            sum += q;
+            out[b].qs[i] = (int8_t)q[i];
+            sum += q[i];
         }
 #endif
         out[b].d = d;
