@@ -45,7 +45,9 @@ then are cancelled and put back in the queue (``running → queued`` only if
 still ours, a new message through ``resend``) to continue elsewhere, and the
 attempt is given back — a drain is not the job's fault, so it does not count
 toward ``max_attempts``. Tokens the engine releases after the cancel are not
-published: the next attempt generates them again.
+published: the next attempt generates them again. Unless the request ended
+(its last token, a stop) in the step before the engine saw the cancel: then
+the job is done, and those tokens are published before its ``done``.
 """
 
 from __future__ import annotations
@@ -494,6 +496,7 @@ class JobRunner:
         # Steps faster than the window: wake once a window, at the window's end on a
         # clock grid every job of the process shares, and publish what came meanwhile.
         gathering = False
+        after_drain: list[TokenEvent] = []  # released after a drain's cancel, unpublished
         while True:
             now = self._clock()
             due = _window_end(now, coalesce_s) if gathering else None
@@ -504,7 +507,9 @@ class JobRunner:
             now = self._clock()
             event = _joined(events)
             if isinstance(event, TokenEvent) and drained_at is not None and not user_cancelled:
-                pass  # handed back: the next attempt generates it again (module docstring)
+                # Handed back, the next attempt generates it again (module docstring);
+                # unless the engine ended the request before it saw the cancel.
+                after_drain.append(event)
             elif isinstance(event, TokenEvent):
                 first = first_token_at is None and bool(event.text)
                 if first:
@@ -536,6 +541,11 @@ class JobRunner:
                 if drained and finish.finish_reason == "cancelled":
                     self._requeue(job, stream)
                     return
+                # Finished in the step that the cancel came after: its text is the
+                # answer's end, published before the `done` that holds it.
+                for late in after_drain:
+                    stream.add_text(late.text, late.token_ids)
+                stream.flush()
                 self._finish(job, stream, finish, first_token_at, timed_out, batch)
                 return
             if stream.pending and due is not None and now >= due:

@@ -146,7 +146,8 @@ class ScriptedGeneration:
     """A request that yields its script's tokens, each ``after`` seconds of fake time.
 
     ``cancel()`` ends it with ``cancelled`` at once, unless ``deaf`` (an
-    engine that stopped stepping).
+    engine that stopped stepping) or ``late`` (the request ends by itself,
+    its script played out, in the step before the engine sees the cancel).
     """
 
     clock: FakeClock
@@ -154,6 +155,7 @@ class ScriptedGeneration:
     script: list[tuple[float, str]]
     end: str = "eos_token"
     deaf: bool = False
+    late: bool = False
     cancelled: bool = False
     text: str = ""
     sent: int = 0
@@ -173,10 +175,10 @@ class ScriptedGeneration:
     def next_event(self, timeout: float | None = None) -> TokenEvent | FinishEvent | None:
         if self._finish is not None:
             return self._finish
-        if self.cancelled and not self.deaf:
+        if self.cancelled and not self.deaf and not self.late:
             return self._finished("cancelled")
         if not self.script:
-            if self.cancelled:  # deaf: it never ends
+            if self.cancelled and self.deaf:  # it never ends
                 self.clock.wait(timeout)
                 return None
             return self._finished(self.end)
@@ -223,6 +225,7 @@ class ScriptedEngine:
     script: list[tuple[float, str]] = field(default_factory=list)
     end: str = "eos_token"
     deaf: bool = False
+    late: bool = False
     submitted: list[ScriptedGeneration] = field(default_factory=list)
 
     def encode_prompt(self, text: str, *, truncate: bool = False) -> list[int]:
@@ -233,7 +236,7 @@ class ScriptedEngine:
 
     def submit(self, request: GenerationRequest) -> ScriptedGeneration:
         generation = ScriptedGeneration(
-            self.clock, request, list(self.script), end=self.end, deaf=self.deaf
+            self.clock, request, list(self.script), end=self.end, deaf=self.deaf, late=self.late
         )
         self.submitted.append(generation)
         return generation
@@ -298,12 +301,13 @@ def make_farm(settings: Settings, catalog: Catalog) -> Any:
         job: Job | None = None,
         end: str = "eos_token",
         deaf: bool = False,
+        late: bool = False,
         settings_: Settings | None = None,
     ) -> Farm:
         clock = FakeClock()
         job = job or make_job()
         rows, streams = FakeRows(job), FakeStreams()
-        engine = ScriptedEngine(clock, script, end=end, deaf=deaf)
+        engine = ScriptedEngine(clock, script, end=end, deaf=deaf, late=late)
         resent: list[tuple[str, str]] = []
         runner = JobRunner(
             settings=settings_ or settings,
@@ -424,6 +428,23 @@ def test_a_drained_job_is_requeued_even_if_the_engine_never_confirms(make_farm: 
     assert farm.job.status == JobStatus.queued.value
     assert farm.resent == [(farm.job.id, MODEL)]
     assert farm.clock.now - start >= 0.25 + DRAIN_CANCEL_WAIT_S
+
+
+def test_a_job_that_ends_as_the_drain_cancels_it_is_done_with_every_token(
+    make_farm: Any,
+) -> None:
+    """The engine finished the request (here its last token) in the step the
+    cancel came after: the job is done, not handed back, and the tokens that
+    came after the drain fell due are published before ``done``, whose text
+    holds them (found by a scaler's SIGKILL in CI: the stream lacked the
+    answer's last word)."""
+    farm = make_farm(tokens("abcdef", every_s=0.1), end="length", late=True)
+    farm.runner.drain(0.35)
+    events = farm.run()
+    assert farm.engine.submitted[0].cancelled and farm.resent == []
+    assert farm.job.status == JobStatus.succeeded.value and farm.job.attempts == 1
+    assert kinds(events)[-1] == "done"
+    assert "".join(texts(events)) == events[-1].text == farm.job.output_text == "abcdef"
 
 
 def test_a_message_that_arrives_after_the_drain_is_passed_on(make_farm: Any) -> None:
