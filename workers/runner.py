@@ -545,6 +545,8 @@ class JobRunner:
                 # answer's end, published before the `done` that holds it.
                 for late in after_drain:
                     stream.add_text(late.text, late.token_ids)
+                if stream.pending and first_token_at is None:
+                    first_token_at = datetime.now(UTC)
                 stream.flush()
                 self._finish(job, stream, finish, first_token_at, timed_out, batch)
                 return
