@@ -50,6 +50,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,7 @@ import psutil
 import redis
 import requests
 import websocket
+import yaml
 
 from bench.engine import PROMPTS, with_document
 from bench.quality import (
@@ -1207,10 +1209,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _models_with_quantization(models_dir: Path, log_dir: Path, model: str, spec: str) -> Path:
     """A copy of ``models_dir`` under ``log_dir`` whose ``model`` says ``quantization: spec``
     (the engine's phase and the farm's worker both read it)."""
-    import shutil
-
-    import yaml
-
     copy = log_dir / "models"
     shutil.copytree(models_dir, copy)
     path = copy / f"{model}.yaml"

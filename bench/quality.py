@@ -122,8 +122,7 @@ def bench_formats() -> tuple[tuple[str, str, str | None], ...]:
     """:data:`FORMATS`, and :data:`A8` where the native kernels have panels (it needs them)."""
     from models import native
 
-    lib = native.library()
-    return (*FORMATS, A8) if lib is not None and lib.sy_panels() else FORMATS
+    return (*FORMATS, A8) if native.has_panels() else FORMATS
 
 
 def measure_quality(

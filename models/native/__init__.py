@@ -66,6 +66,13 @@ def library() -> ctypes.CDLL | None:
         return _loaded[0]
 
 
+def has_panels() -> bool:
+    """Whether the kernels are here with panels (AVX2 or AVX512-VNNI): what the
+    ``Q4_1A8`` kind (quantization ``int4-a8``) needs."""
+    lib = library()
+    return lib is not None and bool(lib.sy_panels())
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc"):
         if name and shutil.which(name):

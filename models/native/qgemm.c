@@ -382,9 +382,21 @@ static void dot_q8_0(const block_q8_0 *w, const block_q16 *x, int blocks, int nr
 #endif
 }
 
+/* Block i of a kind's row activations: block_q8a for kind 2, block_q16 otherwise. */
+static inline const void *x_block(int kind, const void *xq, size_t i) {
+    return kind == 2 ? (const void *)((const block_q8a *)xq + i)
+                     : (const void *)((const block_q16 *)xq + i);
+}
+
 /* The scale and sum of a row's block (d, then s: block_q16's and block_q8a's first fields). */
 static inline const float *block_ds(int kind, const void *xq, size_t i) {
-    return kind == 2 ? &((const block_q8a *)xq)[i].d : &((const block_q16 *)xq)[i].d;
+    return (const float *)x_block(kind, xq, i);
+}
+
+/* One row of k floats to a kind's activation blocks, at xq. */
+static inline void quantize_row(int kind, const float *x, void *xq, int k) {
+    if (kind == 2) quantize_row_q8a(x, xq, k);
+    else quantize_row_q16(x, xq, k);
 }
 
 /*
@@ -719,17 +731,14 @@ static void pgemm_team(int kind, const float *x, int rows, int k, const uint8_t 
                        const uint16_t *d, const uint16_t *m, int n, float *y, block_q16 *xq,
                        int private) {
     const int blocks = k / QK, pairs = (n / 16 + 1) / 2;
-    /* Q4_1A8's 8-bit blocks in the same buffer (smaller than the 16-bit ones). */
-    block_q8a *xq8 = (block_q8a *)xq;
+    /* Q4_1A8's 8-bit blocks go in the same buffer (smaller than the 16-bit ones). */
     if (private) {
         for (int r = 0; r < rows; r++)
-            if (kind == 2) quantize_row_q8a(x + (size_t)r * k, xq8 + (size_t)r * blocks, k);
-            else quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+            quantize_row(kind, x + (size_t)r * k, (void *)x_block(kind, xq, (size_t)r * blocks), k);
     } else {
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++)
-            if (kind == 2) quantize_row_q8a(x + (size_t)r * k, xq8 + (size_t)r * blocks, k);
-            else quantize_row_q16(x + (size_t)r * k, xq + (size_t)r * blocks, k);
+            quantize_row(kind, x + (size_t)r * k, (void *)x_block(kind, xq, (size_t)r * blocks), k);
     }
     /* Handed out in shrinking runs of consecutive pairs of panels (guided):
        each thread streams long runs of contiguous weights, which the prefetch
@@ -745,9 +754,8 @@ static void pgemm_team(int kind, const float *x, int rows, int k, const uint8_t 
         const int g = 2 * t, g2 = 2 * t + 1 < n / 16;
         for (int r0 = 0; r0 < rows; r0 += PR) {
             const int nr = rows - r0 < PR ? rows - r0 : PR;
-            const void *xr = kind == 2 ? (const void *)(xq8 + (size_t)r0 * blocks)
-                                       : (const void *)(xq + (size_t)r0 * blocks);
-            panel_any(kind, xr, blocks, codes, d, m, g, g2, nr, y + (size_t)r0 * n, n);
+            panel_any(kind, x_block(kind, xq, (size_t)r0 * blocks), blocks, codes, d, m, g, g2,
+                      nr, y + (size_t)r0 * n, n);
         }
     }
 }

@@ -63,8 +63,7 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     ]
     # The format a user compares with: the 8-bit-activation choice where the native
     # kernels have panels (the engine's phase and the farm's worker both load it).
-    lib = native.library()
-    a8 = lib is not None and bool(lib.sy_panels())
+    a8 = native.has_panels()
     if a8:
         argv += ["--quantization", "int4-a8"]
     result = subprocess.run(

@@ -190,8 +190,7 @@ def test_int4_a8_serves_sampled_requests_alone_and_batched_alike(
     from models import native
     from models.quant import NativeLinear
 
-    lib = native.library()
-    if lib is None or not lib.sy_panels():
+    if not native.has_panels():
         pytest.skip("int4-a8 needs the native kernels' panels (AVX2 or AVX512-VNNI)")
 
     definition = catalog["tiny-random"].model_copy(update={"quantization": "int4-a8"})
