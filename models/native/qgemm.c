@@ -474,7 +474,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SY_PANELS 1
 #define PR 4 /* rows per register tile */
-#define TEAM_ROWS 3 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
+#define TEAM_ROWS 4 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
 
 /*
  * Q4_1A8 panels (256 bytes, the same codes as Q4_1's in another order): octet o
@@ -1565,12 +1565,19 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * out, with 5 barriers a layer. One of fewer rows with a prompt splits each
  * product's outputs between the threads, in a parallel region of its own.
  *
- * TEAM_ROWS is 4 with AVX2 alone: on a Zen 2 EPYC (2026-12-03, steps of the
- * same rows, the two libraries taken in turn, medians of 8 rounds) 4 rows
- * took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows 12.94
- * against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI the products are
- * cheap beside reading the weights: an A/B on a Zen 4 EPYC the same day found
- * the region slower than the split at 4 rows, so the region keeps 1-3 there.
+ * TEAM_ROWS is 4, a whole register tile (PR): split 2 + 2, each thread's
+ * tiles hold 2 rows, whose products wait on each other's latency, and each
+ * thread reads every weight. With AVX2 alone, on a Zen 2 EPYC (2026-12-03,
+ * steps of the same rows, the two libraries taken in turn, medians of 8
+ * rounds) 4 rows took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows
+ * 12.94 against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI: on a Zen 5
+ * EPYC (2026-12-06, python -m bench.engine --concurrency 4, the two libraries
+ * in turn, three rounds) 4-row steps took 3.94 / 3.48 / 3.46 ms (median of
+ * ~410) in the region against 4.82 / 4.41 / 4.53 split, and the engine gave
+ * 890 / 1019 / 1038 tok/s at 4 clients against 748 / 816 / 797; on a Zen 4
+ * (2026-12-06) 5.82 against 5.96 ms. 5 and 6 rows gained nothing there, 7
+ * and 8 rows were slower in the region (two tiles a thread; the split's
+ * threads meet once a step instead of 5 times a layer).
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
