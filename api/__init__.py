@@ -79,11 +79,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Streams hold no connection while they wait (each query takes one and gives it
     # back), so a small pool serves thousands of them; Postgres' own limit is shared
     # by every process of the farm.
-    db = Database(
-        settings.database_url,
-        pool_size=settings.db_pool_size,
-        max_overflow=settings.db_max_overflow,
-    )
+    db = Database.for_process(settings)
     events = EventLog(client, settings)
     app.extensions[EXTENSION] = Services(
         settings=settings,

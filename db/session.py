@@ -8,12 +8,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from config import Settings
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -111,6 +114,19 @@ class Database:
             event.listen(self.engine, "checkin", _mark_checkin)
             event.listen(self.engine, "checkout", _ping_if_idle)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @classmethod
+    def for_process(cls, settings: Settings) -> Database:
+        """The database of a long-lived process (API, worker, scaler), its pool sized by
+        ``db_pool_size`` and ``db_max_overflow``: what Postgres' ``max_connections``
+        is divided by. With no overflow, a burst of queries (a worker's job threads
+        claiming together) waits a moment for a pooled connection instead of
+        opening and closing new ones."""
+        return cls(
+            settings.database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+        )
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -102,7 +102,7 @@ def run_worker(settings: Settings, model: str) -> int:
     from workers.health import HealthMonitor
     from workers.runner import JobRunner
 
-    db = Database(settings.database_url)
+    db = Database.for_process(settings)
     app = configure(settings)
     runner = JobRunner(
         settings=settings,

@@ -309,7 +309,7 @@ def local_scaler(
     return Scaler(
         settings,
         load_catalog(settings.models_dir),
-        Database(settings.database_url),
+        Database.for_process(settings),
         client,
         executor,
         alive_file=settings.scaler_alive_file,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -108,3 +109,37 @@ def test_a_connection_killed_in_steady_use_fails_one_statement_then_the_pool_ren
             _backend_pid(database)
         # The disconnect dropped every older connection: the next checkout connects afresh.
         assert _backend_pid(database) not in pids
+
+
+def test_a_process_keeps_the_connections_its_settings_allow_however_many_threads_query(
+    migrated: Settings,
+) -> None:
+    """A worker's job threads (one per slot) claim and finish jobs together: its pool
+    holds ``db_pool_size`` connections and, without overflow, a burst waits for one
+    instead of opening more (each would be a Postgres backend started and ended)."""
+    settings = migrated.model_copy(update={"db_pool_size": 3, "db_max_overflow": 0})
+    database = Database.for_process(settings)
+    pids: set[int] = set()
+    errors: list[BaseException] = []
+    start = threading.Barrier(12)
+
+    def query() -> None:
+        try:
+            start.wait()
+            for _ in range(4):
+                with database.session() as s:
+                    pid = s.execute(text("SELECT pg_backend_pid() FROM pg_sleep(0.01)"))
+                    pids.add(int(pid.scalar_one()))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=query) for _ in range(12)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        database.dispose()
+    assert not errors
+    assert 1 <= len(pids) <= 3
