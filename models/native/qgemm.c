@@ -473,7 +473,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SY_PANELS 1
-#define PR 4 /* rows per register tile */
+#define PR 8 /* rows per register tile (panel_any: 1-4 rows two panels at a time, 5-8 one) */
 #define TEAM_ROWS 4 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
 
 /*
@@ -581,9 +581,29 @@ static inline __attribute__((always_inline)) void panel_tile(
         else panel_tile(kind, xq, blocks, codes, d, m, g, 0, R, y, n);              \
         break;
 
+/* One panel at a time, for tiles of 5-8 rows: 8 rows' sums and accumulators for
+   two panels would need every vector register and more. */
+#define PANEL_CASE1(R)                                                              \
+    case R:                                                                         \
+        panel_tile(kind, xq, blocks, codes, d, m, g, 0, R, y, n);                   \
+        if (g2) panel_tile(kind, xq, blocks, codes, d, m, g + 1, 0, R, y, n);       \
+        break;
+
+/*
+ * A tile of 1-4 rows takes two panels (32 outputs) at once, each row's
+ * activations loaded once for both; one of 5-8 rows takes one panel at a time,
+ * each weight unpacked once for all of them. Tiles of 8 instead of two of 4
+ * (the output layer at 5-16 rows, a 16-row step's 8 rows a thread, prompts),
+ * measured on a Zen 5 EPYC (2026-12-06, python -m bench.engine --concurrency 8
+ * 16, the two libraries in turn, three rounds, medians of ~250 / ~160 steps):
+ * 8-row steps 5.80 / 5.52 / 5.53 ms against 6.26 / 6.07 / 5.99, 16-row steps
+ * 10.00 / 9.91 / 9.86 against 10.61 / 10.38 / 10.16. The same instructions in
+ * the same order for every output: the same bits.
+ */
 static void panel_any(int kind, const void *xq, int blocks, const uint8_t *codes,
                       const uint16_t *d, const uint16_t *m, int g, int g2, int nr, float *y, int n) {
     switch (nr) {
+        PANEL_CASE1(8) PANEL_CASE1(7) PANEL_CASE1(6) PANEL_CASE1(5)
         PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2) PANEL_CASE(1)
     }
 }
@@ -1565,9 +1585,9 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * out, with 5 barriers a layer. One of fewer rows with a prompt splits each
  * product's outputs between the threads, in a parallel region of its own.
  *
- * TEAM_ROWS is 4, a whole register tile (PR): split 2 + 2, each thread's
- * tiles hold 2 rows, whose products wait on each other's latency, and each
- * thread reads every weight. With AVX2 alone, on a Zen 2 EPYC (2026-12-03,
+ * TEAM_ROWS is 4, one register tile of two panels: split 2 + 2, each
+ * thread's tiles hold 2 rows, whose products wait on each other's latency,
+ * and each thread reads every weight. With AVX2 alone, on a Zen 2 EPYC (2026-12-03,
  * steps of the same rows, the two libraries taken in turn, medians of 8
  * rounds) 4 rows took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows
  * 12.94 against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI: on a Zen 5
