@@ -1587,17 +1587,18 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  *
  * TEAM_ROWS is 4, one register tile of two panels: split 2 + 2, each
  * thread's tiles hold 2 rows, whose products wait on each other's latency,
- * and each thread reads every weight. With AVX2 alone, on a Zen 2 EPYC (2026-12-03,
- * steps of the same rows, the two libraries taken in turn, medians of 8
- * rounds) 4 rows took 9.13 ms in the region against 10.24 split 2 + 2; 5 rows
- * 12.94 against 11.79 (two tiles there, 4 + 1). With AVX512-VNNI: on a Zen 5
- * EPYC (2026-12-06, python -m bench.engine --concurrency 4, the two libraries
- * in turn, three rounds) 4-row steps took 3.94 / 3.48 / 3.46 ms (median of
- * ~410) in the region against 4.82 / 4.41 / 4.53 split, and the engine gave
- * 890 / 1019 / 1038 tok/s at 4 clients against 748 / 816 / 797; on a Zen 4
- * (2026-12-06) 5.82 against 5.96 ms. 5 and 6 rows gained nothing there, 7
- * and 8 rows were slower in the region (two tiles a thread; the split's
- * threads meet once a step instead of 5 times a layer).
+ * and each thread reads every weight. With AVX2 alone, on a Zen 2 EPYC
+ * (2026-12-03, steps of the same rows, the two libraries taken in turn,
+ * medians of 8 rounds) 4 rows took 9.13 ms in the region against 10.24
+ * split 2 + 2; 5 rows 12.94 against 11.79 (two tiles there, 4 + 1). With
+ * AVX512-VNNI: on a Zen 5 EPYC (2026-12-06, python -m bench.engine
+ * --concurrency 4, the two libraries in turn, three rounds) 4-row steps took
+ * 3.94 / 3.48 / 3.46 ms (median of ~410) in the region against 4.82 / 4.41 /
+ * 4.53 split, and the engine gave 890 / 1019 / 1038 tok/s at 4 clients
+ * against 748 / 816 / 797; on a Zen 4 (2026-12-06) 5.82 against 5.96 ms.
+ * In the region 5 rows gained nothing there, 6 rows were mixed, 7 and 8 rows
+ * slower, 8 with tiles of 8 rows too (5.60 / 5.90 against 5.35 / 5.55 ms):
+ * the split's threads meet once a step instead of 5 times a layer.
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,

@@ -269,9 +269,9 @@ def test_a_step_on_two_threads_gives_each_row_its_bits_alone(
     """Eight decoding rows on two threads: each thread takes four rows through every
     layer (``sy_decode_layers``' split); four rows (one register tile), three, or one
     share one parallel region for the whole step (``layers_in_team``), five split
-    3 + 2. Every row's logits
-    are those it gets decoded alone and those of the layer-by-layer path. Heads of 64
-    are attended a group at a time (``attend_rows``), others one by one."""
+    3 + 2. Every row's logits are those it gets decoded alone and those of the
+    layer-by-layer path. Heads of 64 are attended a group at a time
+    (``attend_rows``), others one by one."""
     torch.manual_seed(0)
     heads = 2  # sharing one key and value head
     shape = {**SHAPE, "hidden_size": heads * head_dim, "num_attention_heads": heads}
