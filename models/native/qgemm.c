@@ -483,8 +483,8 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
  * activations (low nibbles) and 4 for the next (high nibbles): vpdpbusd.
  */
 
-/* y[r, 16 g .. 16 g + 31] (two lanes groups g, g + 1 when g2) for nr <= PR rows;
-   xq holds block_q16 (kinds 0, 1) or block_q8a (kind 2). */
+/* y[r, 16 g .. 16 g + 31] (two lanes groups g, g + 1 when g2) for nr <= PR rows,
+   nr <= 4 when g2 (panel_any); xq holds block_q16 (kinds 0, 1) or block_q8a (kind 2). */
 static inline __attribute__((always_inline)) void panel_tile(
     int kind, const void *xq, int blocks, const uint8_t *codes, const uint16_t *d,
     const uint16_t *m, int g, int g2, int nr, float *y, int n) {
@@ -581,8 +581,6 @@ static inline __attribute__((always_inline)) void panel_tile(
         else panel_tile(kind, xq, blocks, codes, d, m, g, 0, R, y, n);              \
         break;
 
-/* One panel at a time, for tiles of 5-8 rows: 8 rows' sums and accumulators for
-   two panels would need every vector register and more. */
 #define PANEL_CASE1(R)                                                              \
     case R:                                                                         \
         panel_tile(kind, xq, blocks, codes, d, m, g, 0, R, y, n);                   \
@@ -591,8 +589,10 @@ static inline __attribute__((always_inline)) void panel_tile(
 
 /*
  * A tile of 1-4 rows takes two panels (32 outputs) at once, each row's
- * activations loaded once for both; one of 5-8 rows takes one panel at a time,
- * each weight unpacked once for all of them. Tiles of 8 instead of two of 4
+ * activations loaded once for both; one of 5-8 rows takes one panel at a time
+ * (PANEL_CASE1: 8 rows' sums and accumulators for two panels would need every
+ * vector register and more), each weight unpacked once for all of them. Tiles
+ * of 8 instead of two of 4
  * (the output layer at 5-16 rows, a 16-row step's 8 rows a thread, prompts),
  * measured on a Zen 5 EPYC (2026-12-06, python -m bench.engine --concurrency 8
  * 16, the two libraries in turn, three rounds, medians of ~250 / ~160 steps):
@@ -1596,8 +1596,8 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * 3.94 / 3.48 / 3.46 ms (median of ~410) in the region against 4.82 / 4.41 /
  * 4.53 split, and the engine gave 890 / 1019 / 1038 tok/s at 4 clients
  * against 748 / 816 / 797; on a Zen 4 (2026-12-06) 5.82 against 5.96 ms.
- * In the region 5 rows gained nothing there, 6 rows were mixed, 7 and 8 rows
- * slower, 8 with tiles of 8 rows too (5.60 / 5.90 against 5.35 / 5.55 ms):
+ * In the region, 5 rows gained nothing on the Zen 5, 6 rows were mixed, 7 and
+ * 8 rows slower, 8 with tiles of 8 rows too (5.60 / 5.90 against 5.35 / 5.55 ms):
  * the split's threads meet once a step instead of 5 times a layer.
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
