@@ -13,14 +13,21 @@ at 8 / 16 clients). With the engine of 2026-11 (slower steps): default
 188 / 205, 100,000 spins 275 / 370, 20,000 spins 314 / 326, 2,000 spins
 315 / 358. With the panel kernels (2026-12-01, Zen 4, two runs each, taken
 in turn): 2,000 spins 296 / 366 and 307 / 357, 30,000 spins 347 / 407 and
-329 / 382, 200,000 spins 341 / 369.
+329 / 382, 200,000 spins 341 / 369. With today's engine (2026-12-06, a Zen 5
+EPYC, where 30,000 spins last 0.7 ms; 4 requests a client, the settings taken
+in turn, medians of 7 rounds, 4 / 8 / 16 clients): 5,000 spins 661 / 929 /
+1,037, 30,000 spins 636 / 873 / 1,003; 2,000 and 10,000 did no better than
+5,000 (bench/README.md). A step's own barriers wait microseconds; the long
+waits are for a partner the OS has preempted, where a spinning thread only
+burns its core. On a 2026-12-05 Xeon 3,000 spins had measured below 30,000
+(two runs each): ``GOMP_SPINCOUNT`` overrides the default.
 """
 
 from __future__ import annotations
 
 import os
 
-SPIN_COUNT = 30000
+SPIN_COUNT = 5000
 
 
 def spin_briefly() -> None:
