@@ -473,7 +473,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SY_PANELS 1
-#define PR 8 /* rows per register tile (panel_any: 1-4 rows two panels at a time, 5-8 one) */
+#define PR 8 /* rows per register tile (panel_any says how many panels a tile takes) */
 #define TEAM_ROWS 4 /* the most decoding rows a step keeps in one region (sy_decode_layers) */
 
 /*
@@ -591,14 +591,14 @@ static inline __attribute__((always_inline)) void panel_tile(
  * A tile of 1-4 rows takes two panels (32 outputs) at once, each row's
  * activations loaded once for both; one of 5-8 rows takes one panel at a time
  * (PANEL_CASE1: 8 rows' sums and accumulators for two panels would need every
- * vector register and more), each weight unpacked once for all of them. Tiles
- * of 8 instead of two of 4
- * (the output layer at 5-16 rows, a 16-row step's 8 rows a thread, prompts),
- * measured on a Zen 5 EPYC (2026-12-06, python -m bench.engine --concurrency 8
- * 16, the two libraries in turn, three rounds, medians of ~250 / ~160 steps):
- * 8-row steps 5.80 / 5.52 / 5.53 ms against 6.26 / 6.07 / 5.99, 16-row steps
- * 10.00 / 9.91 / 9.86 against 10.61 / 10.38 / 10.16. The same instructions in
- * the same order for every output: the same bits.
+ * vector register and more), each weight unpacked once for all of them.
+ * Tiles of 8 instead of two of 4 (the output layer at 5-16 rows, a 16-row
+ * step's 8 rows a thread, prompts), measured on a Zen 5 EPYC (2026-12-06,
+ * python -m bench.engine --concurrency 8 16, the two libraries in turn, three
+ * rounds, medians of ~250 / ~160 steps): 8-row steps 5.80 / 5.52 / 5.53 ms
+ * against 6.26 / 6.07 / 5.99, 16-row steps 10.00 / 9.91 / 9.86 against 10.61
+ * / 10.38 / 10.16. The same instructions in the same order for every output:
+ * the same bits.
  */
 static void panel_any(int kind, const void *xq, int blocks, const uint8_t *codes,
                       const uint16_t *d, const uint16_t *m, int g, int g2, int nr, float *y, int n) {
