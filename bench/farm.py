@@ -927,6 +927,7 @@ def peer_phase(
 ) -> tuple[list[Level], str | None]:
     """The peer's levels, or none and the reason it did not run."""
     from bench.peer import PeerUnavailable, gguf_file, peer_python, serve_peer
+    from workers.openmp import without_our_spin
 
     try:
         python = peer_python(args.peer_python)
@@ -937,7 +938,7 @@ def peer_phase(
             port=free_port(),
             threads=args.threads,
             log_path=log_dir / "peer.log",
-            env=dict(os.environ),
+            env=without_our_spin(os.environ),  # llama.cpp's OpenMP waits as its users' does
         ) as (base, _proc):
             client = PeerClient(base, args.max_new_tokens)
             levels = run_levels(

@@ -17,7 +17,9 @@ in turn): 2,000 spins 296 / 366 and 307 / 357, 30,000 spins 347 / 407 and
 EPYC, where 30,000 spins last 0.7 ms; 4 requests a client, the settings taken
 in turn, medians of 7 rounds, 4 / 8 / 16 clients): 5,000 spins 661 / 929 /
 1,037, 30,000 spins 636 / 873 / 1,003; 2,000 and 10,000 did no better than
-5,000 (bench/README.md). A step's own barriers wait microseconds; the long
+5,000 (bench/README.md); on a 2026-12-07 Xeon with AMX the same A/B put
+5,000 and 30,000 within the rounds' spread (506 / 614 / 676 against 488 /
+632 / 701). A step's own barriers wait microseconds; the long
 waits are for a partner the OS has preempted, where a spinning thread only
 burns its core. On a 2026-12-05 Xeon 3,000 spins had measured below 30,000
 (two runs each): ``GOMP_SPINCOUNT`` overrides the default.
@@ -26,8 +28,12 @@ burns its core. On a 2026-12-05 Xeon 3,000 spins had measured below 30,000
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 SPIN_COUNT = 5000
+
+# The value spin_briefly put in this process's environment, if it did.
+_ours: list[str] = []
 
 
 def spin_briefly() -> None:
@@ -36,3 +42,15 @@ def spin_briefly() -> None:
     it loads: call this before anything imports torch."""
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+        _ours[:] = [os.environ["GOMP_SPINCOUNT"]]
+
+
+def without_our_spin(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` without the ``GOMP_SPINCOUNT`` that :func:`spin_briefly` set:
+    for a child process that is not ours (the benchmark's llama.cpp server), which
+    must run with its own OpenMP defaults, as its users run it. A value the
+    operator set stays."""
+    copy = dict(env)
+    if _ours and copy.get("GOMP_SPINCOUNT") == _ours[0]:
+        del copy["GOMP_SPINCOUNT"]
+    return copy

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from workers.openmp import SPIN_COUNT, spin_briefly
+from workers.openmp import SPIN_COUNT, spin_briefly, without_our_spin
 
 
 def test_sets_the_spin_count_only_where_no_policy_was_chosen(
@@ -25,6 +25,22 @@ def test_sets_the_spin_count_only_where_no_policy_was_chosen(
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     spin_briefly()
     assert os.environ["GOMP_SPINCOUNT"] == "5"
+
+
+def test_a_foreign_child_gets_the_environment_without_our_spin_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The benchmark's llama.cpp server runs with libgomp's own default, not the
+    worker's setting; a value the operator chose is passed on."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    spin_briefly()
+    child = without_our_spin(os.environ)
+    assert "GOMP_SPINCOUNT" not in child
+    assert os.environ["GOMP_SPINCOUNT"] == str(SPIN_COUNT)  # this process keeps it
+    assert child["PATH"] == os.environ["PATH"]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "12345")
+    assert without_our_spin(os.environ)["GOMP_SPINCOUNT"] == "12345"
 
 
 @pytest.mark.parametrize("package", ["cli", "workers"])
