@@ -938,7 +938,7 @@ def peer_phase(
             port=free_port(),
             threads=args.threads,
             log_path=log_dir / "peer.log",
-            env=without_our_spin(os.environ),  # llama.cpp's OpenMP waits as its users' does
+            env=without_our_spin(os.environ),  # llama.cpp's OpenMP as its users run it
         ) as (base, _proc):
             client = PeerClient(base, args.max_new_tokens)
             levels = run_levels(
