@@ -5,7 +5,11 @@ worker serves their model while this runs), holds them open without traffic,
 and reads the resident memory of the gunicorn worker process(es) before and
 after. Loopback only; bounded in count (the caller's) and in time (every
 connect has a timeout, the whole opening phase a deadline). The sockets are
-closed and the jobs cancelled afterwards.
+closed and the jobs cancelled afterwards. A refused submission (the model's
+queue full of an earlier run's jobs, say) ends the phase with an ``error``,
+not the whole benchmark, and the jobs already accepted are cancelled; each job
+asks for a deadline of :data:`JOB_DEADLINE_S`, so those of a run stopped
+before it cancelled them stop counting against the model's queue then.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ CONNECT_TIMEOUT_S = 10.0
 OPEN_DEADLINE_S = 180.0
 SETTLE_S = 3.0
 SUBMIT_THREADS = 8
+# How long a subscriber's job may stay queued unstarted (the API's deadline_s):
+# longer than the opening phase (OPEN_DEADLINE_S) and the settling around it.
+JOB_DEADLINE_S = 600.0
 
 
 @dataclass
@@ -56,6 +63,7 @@ def _submit(base: str, token: str, model: str) -> str:
             "model": model,
             "messages": [{"role": "user", "content": "Wait for a worker."}],
             "params": {"max_new_tokens": 1, "temperature": 0},
+            "deadline_s": JOB_DEADLINE_S,
         },
         headers={"Authorization": f"Bearer {token}"},
         timeout=30,
@@ -65,11 +73,29 @@ def _submit(base: str, token: str, model: str) -> str:
 
 
 def _cancel(base: str, token: str, job_id: str) -> None:
-    # Best effort: a job left queued expires at its deadline.
+    # Best effort: a job left queued expires at its deadline (JOB_DEADLINE_S).
     with suppress(requests.RequestException):
         requests.delete(
             f"{base}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}, timeout=30
         )
+
+
+def _cancel_all(base: str, token: str, job_ids: list[str]) -> None:
+    with ThreadPoolExecutor(SUBMIT_THREADS) as pool:
+        list(pool.map(lambda j: _cancel(base, token, j), job_ids))
+
+
+def _submit_all(base: str, token: str, model: str, count: int) -> tuple[list[str], str | None]:
+    """``count`` jobs submitted, :data:`SUBMIT_THREADS` at a time: their ids, or, when
+    any submission failed, none (those accepted are cancelled) and the first failure."""
+    with ThreadPoolExecutor(SUBMIT_THREADS) as pool:
+        futures = [pool.submit(_submit, base, token, model) for _ in range(count)]
+    accepted = [f.result() for f in futures if f.exception() is None]
+    failure = next((f.exception() for f in futures if f.exception() is not None), None)
+    if failure is None:
+        return accepted, None
+    _cancel_all(base, token, accepted)
+    return [], f"submitting {count} jobs: {type(failure).__name__}: {failure}"
 
 
 def measure_idle_subscribers(
@@ -82,8 +108,10 @@ def measure_idle_subscribers(
     were open when memory was read, ``error`` why fewer than asked.
     """
     ws_base = base.replace("http", "ws", 1)
-    with ThreadPoolExecutor(SUBMIT_THREADS) as pool:
-        job_ids = list(pool.map(lambda _: _submit(base, token, model), range(count)))
+    job_ids, refused = _submit_all(base, token, model, count)
+    if refused is not None:
+        rss, processes = api_worker_rss(master_pid)
+        return SubscriberResult(count, 0, rss, rss, processes, 0.0, refused)
     time.sleep(SETTLE_S)
     before, processes = api_worker_rss(master_pid)
     sockets: list[websocket.WebSocket] = []
@@ -114,8 +142,7 @@ def measure_idle_subscribers(
         for ws in sockets:
             with suppress(Exception):
                 ws.shutdown()  # no closing handshake: 1,000 of them would take long
-        with ThreadPoolExecutor(SUBMIT_THREADS) as pool:
-            list(pool.map(lambda j: _cancel(base, token, j), job_ids))
+        _cancel_all(base, token, job_ids)
     return SubscriberResult(
         requested=count,
         opened=len(sockets),
