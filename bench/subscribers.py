@@ -90,10 +90,11 @@ def _submit_all(base: str, token: str, model: str, count: int) -> tuple[list[str
     any submission failed, none (those accepted are cancelled) and the first failure."""
     with ThreadPoolExecutor(SUBMIT_THREADS) as pool:
         futures = [pool.submit(_submit, base, token, model) for _ in range(count)]
+    failures = [e for e in (f.exception() for f in futures) if e is not None]
     accepted = [f.result() for f in futures if f.exception() is None]
-    failure = next((f.exception() for f in futures if f.exception() is not None), None)
-    if failure is None:
+    if not failures:
         return accepted, None
+    failure = failures[0]
     _cancel_all(base, token, accepted)
     return [], f"submitting {count} jobs: {type(failure).__name__}: {failure}"
 

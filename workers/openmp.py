@@ -32,17 +32,17 @@ from collections.abc import Mapping
 
 SPIN_COUNT = 5000
 
-# The value spin_briefly put in this process's environment, if it did.
-_ours: list[str] = []
+_set_here = False  # whether spin_briefly, not the operator, set GOMP_SPINCOUNT
 
 
 def spin_briefly() -> None:
     """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` unless the environment chose a
     policy (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``). libgomp reads it once, when
     it loads: call this before anything imports torch."""
+    global _set_here
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-        _ours[:] = [os.environ["GOMP_SPINCOUNT"]]
+        _set_here = True
 
 
 def without_our_spin(env: Mapping[str, str]) -> dict[str, str]:
@@ -51,6 +51,6 @@ def without_our_spin(env: Mapping[str, str]) -> dict[str, str]:
     must run with its own OpenMP defaults, as its users run it. A value the
     operator set stays."""
     copy = dict(env)
-    if _ours and copy.get("GOMP_SPINCOUNT") == _ours[0]:
+    if _set_here and copy.get("GOMP_SPINCOUNT") == str(SPIN_COUNT):
         del copy["GOMP_SPINCOUNT"]
     return copy
