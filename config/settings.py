@@ -93,7 +93,28 @@ class Settings(BaseModel):
             "Milliseconds a worker gathers a job's tokens before publishing them as one "
             "event: windows of this length on the host's monotonic clock, so every job "
             "publishes at the same instants (the first token goes at once); 0 publishes "
-            "every token alone."
+            "every token alone. Under load the window lengthens (stream_writes_per_s)."
+        ),
+    )
+    stream_writes_per_s: int = Field(
+        default=100,
+        ge=0,
+        le=100_000,
+        description=(
+            "Token events a worker publishes a second, at most, over all its streams: with "
+            "more streams than that allows at stream_coalesce_ms (100: 5 streams at 50 ms), each "
+            "window lengthens to streams / this many seconds, up to stream_coalesce_max_ms, "
+            "so the cores a busy worker shares go to generating rather than to publishing, "
+            "relaying and reading more, smaller events; 0 keeps every window at "
+            "stream_coalesce_ms. The first token and the end of an answer never wait."
+        ),
+    )
+    stream_coalesce_max_ms: int = Field(
+        default=250,
+        ge=0,
+        le=5000,
+        description=(
+            "The longest a worker's coalescing window grows under load (stream_writes_per_s)."
         ),
     )
     relay_poll_s: float = Field(

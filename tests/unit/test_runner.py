@@ -22,7 +22,7 @@ from db.jobs import EXPIRED, JobOutcome
 from db.schema import Job, JobStatus
 from jobs.events import JobEvent, StreamTaken
 from models.engine import FinishEvent, GenerationRequest, TokenEvent
-from workers.runner import CANCEL_POLL_S, DRAIN_CANCEL_WAIT_S, JobRunner
+from workers.runner import CANCEL_POLL_S, DRAIN_CANCEL_WAIT_S, JobRunner, coalescing_window_s
 
 WORKER = "host:1"
 MODEL = "tiny-random"
@@ -333,6 +333,19 @@ def texts(events: list[JobEvent]) -> list[str]:
     return [e.text for e in events if e.type == "token"]
 
 
+def token_writes(farm: Farm) -> list[tuple[float, str]]:
+    """When each token event of ``farm``'s job is written, and its text (filled as it runs)."""
+    written: list[tuple[float, str]] = []
+    append = farm.streams.append
+
+    def timed(job_id: str, events: list[JobEvent]) -> None:
+        written.extend((farm.clock.now, e.text) for e in events if e.type == "token")
+        append(job_id, events)
+
+    farm.streams.append = timed
+    return written
+
+
 def test_a_job_streams_its_tokens_and_ends_with_done(make_farm: Any) -> None:
     farm = make_farm(tokens(["Hel", "lo"], every_s=0.2))
     events = farm.run()
@@ -362,19 +375,50 @@ def test_coalesced_tokens_go_out_when_a_window_of_the_shared_grid_ends(make_farm
     # written as a 50 ms window of the monotonic clock's grid ends, so every job of
     # a worker publishes at the same instants, whatever its own timing.
     farm = make_farm([(0.013, "a"), *tokens("bcdefghijklmnop", every_s=0.01)])
-    written: list[tuple[float, str]] = []
-    append = farm.streams.append
-
-    def timed(job_id: str, events: list[JobEvent]) -> None:
-        written.extend((farm.clock.now, e.text) for e in events if e.type == "token")
-        append(job_id, events)
-
-    farm.streams.append = timed
+    written = token_writes(farm)
     farm.run()
     assert "".join(text for _, text in written) == "abcdefghijklmnop"
     windows = [t / 0.05 for t, _ in written[1:-1]]  # the first goes at once, the last with done
     assert len(windows) >= 2
     assert all(abs(w - round(w)) < 1e-6 for w in windows)
+
+
+def test_the_window_lengthens_with_the_workers_streams_and_stops_at_its_longest() -> None:
+    settings = load_settings(
+        {},
+        database_url="sqlite:///:memory:",
+        stream_coalesce_ms=50,
+        stream_writes_per_s=160,
+        stream_coalesce_max_ms=250,
+    )
+    window = [coalescing_window_s(settings, n) for n in (1, 8, 9, 16, 32, 40, 200)]
+    assert window == pytest.approx([0.05, 0.05, 9 / 160, 0.1, 0.2, 0.25, 0.25])
+    fixed = settings.model_copy(update={"stream_writes_per_s": 0})
+    assert coalescing_window_s(fixed, 200) == 0.05
+    alone = settings.model_copy(update={"stream_coalesce_ms": 0})
+    assert coalescing_window_s(alone, 200) == 0  # every token alone, whatever the load
+
+
+def test_a_busy_worker_publishes_each_stream_once_a_longer_window(
+    make_farm: Any, settings: Settings
+) -> None:
+    # 16 streams on a worker that writes 160 events a second: windows of 100 ms on
+    # the shared grid, not 50; the first token still goes at once.
+    busy = settings.model_copy(update={"stream_writes_per_s": 160, "stream_coalesce_max_ms": 250})
+    farm = make_farm(
+        [(0.013, "a"), *tokens("bcdefghijklmnopqrstuvwxyz", every_s=0.01)], settings_=busy
+    )
+    farm.runner._active.update(f"other-{k}" for k in range(15))
+    written = token_writes(farm)
+    start = farm.clock.now
+    farm.run()
+    assert "".join(text for _, text in written) == "abcdefghijklmnopqrstuvwxyz"
+    assert written[0][1] == "a" and written[0][0] - start == pytest.approx(0.013, abs=1e-3)
+    windows = [t / 0.1 for t, _ in written[1:-1]]  # the last goes with done
+    assert len(windows) >= 2
+    assert all(abs(w - round(w)) < 1e-6 for w in windows)
+    # About ten 10 ms steps a window (the first one's opened after "a", at 13 ms).
+    assert [text for _, text in written[1:-1]] == ["bcdefghi", "jklmnopqrs"]
 
 
 def test_slow_steps_are_not_held_back_by_the_window(make_farm: Any) -> None:
