@@ -230,6 +230,17 @@ class Settings(BaseModel):
             "unreachable; after that the reaper re-runs the job."
         ),
     )
+    worker_synchronous_commit: bool = Field(
+        default=False,
+        description=(
+            "A worker's writes to the jobs table (the claim, the final row, a re-queue) wait "
+            "until the database has flushed them to disk. Off: each returns once written "
+            "and visible to every reader (Postgres flushes within about 0.6 s; SQLite at "
+            "its next checkpoint); a crash of the database server (SQLite: of the machine) "
+            "in that moment loses those transitions, which the reaper and the reconciler "
+            "redo. The API's insert of a submitted job always waits."
+        ),
+    )
     worker_prune_after_s: float = Field(
         default=3600.0,
         gt=0,

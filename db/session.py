@@ -53,6 +53,38 @@ def prepare_sqlite_file(url: str) -> None:
         os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
+def _commit_without_flush(dbapi_connection: Any, _record: Any) -> None:
+    """Postgres' ``synchronous_commit = off`` for this connection's transactions.
+
+    A commit then returns once its changes are written and visible to every
+    session, without waiting for the WAL's flush to disk (the WAL writer
+    flushes within three ``wal_writer_delay``, 0.6 s by default). A crash of
+    the server in that moment loses those last commits, never part of one:
+    the database comes back consistent, as of a fraction of a second before.
+    A worker's claim and final row are such commits, on the path of every
+    job, and the farm redoes them if they are lost (the reaper, the
+    reconciler): waiting for the disk buys nothing. On this project's CI
+    machine a flushed commit took 0.2-0.4 ms with the disk quiet and 4 ms
+    while a package build wrote to it; 0.03-0.05 ms without the flush. Set
+    per connection, not in the startup packet: PgBouncer refuses unknown
+    startup parameters.
+    """
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET synchronous_commit TO off")
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
+
+
+def _sqlite_commit_without_flush(dbapi_connection: Any, _record: Any) -> None:
+    # In WAL mode, NORMAL syncs at checkpoints only: a commit survives the
+    # process's crash, and may be rolled back by the machine's.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
 PING_IDLE_S = 1.0
 """A pooled connection idle this long is pinged before use (seconds)."""
 
@@ -87,7 +119,16 @@ def _ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
 class Database:
     """A SQLAlchemy engine plus a session factory; one per process."""
 
-    def __init__(self, url: str, *, pool_size: int = 10, max_overflow: int = 40) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 10,
+        max_overflow: int = 40,
+        synchronous_commit: bool = True,
+    ) -> None:
+        """``synchronous_commit=False``: a commit returns before its WAL is flushed to
+        disk (Postgres: :func:`_commit_without_flush`; SQLite: ``synchronous=NORMAL``)."""
         self.url = url
         kwargs: dict[str, Any] = {"future": True}
         if url.startswith("sqlite"):
@@ -110,13 +151,17 @@ class Database:
         self.engine: Engine = create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
+            if not synchronous_commit:
+                event.listen(self.engine, "connect", _sqlite_commit_without_flush)
         else:
             event.listen(self.engine, "checkin", _mark_checkin)
+            if not synchronous_commit and url.startswith("postgresql"):
+                event.listen(self.engine, "connect", _commit_without_flush)
             event.listen(self.engine, "checkout", _ping_if_idle)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @classmethod
-    def for_process(cls, settings: Settings) -> Database:
+    def for_process(cls, settings: Settings, *, synchronous_commit: bool = True) -> Database:
         """The database of a long-lived process (API, worker, scaler), its pool sized by
         ``db_pool_size`` and ``db_max_overflow``: what Postgres' ``max_connections``
         is divided by. With no overflow, a burst of queries (a worker's job threads
@@ -126,6 +171,7 @@ class Database:
             settings.database_url,
             pool_size=settings.db_pool_size,
             max_overflow=settings.db_max_overflow,
+            synchronous_commit=synchronous_commit,
         )
 
     @contextmanager

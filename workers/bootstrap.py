@@ -102,7 +102,9 @@ def run_worker(settings: Settings, model: str) -> int:
     from workers.health import HealthMonitor
     from workers.runner import JobRunner
 
-    db = Database.for_process(settings)
+    # Claims and final rows are redone by the reaper if the database server loses
+    # them in a crash; the API's inserts of submitted jobs stay synchronous.
+    db = Database.for_process(settings, synchronous_commit=settings.worker_synchronous_commit)
     app = configure(settings)
     runner = JobRunner(
         settings=settings,

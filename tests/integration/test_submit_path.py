@@ -24,6 +24,8 @@ from sqlalchemy.exc import OperationalError
 
 import db.session
 from config import Settings
+from db.jobs import JobStore
+from db.schema import JobStatus
 from db.session import Database
 from jobs.messages import send_generate
 from jobs.queues import GENERATE_TASK, broker_key, queue_key, queue_name
@@ -143,3 +145,35 @@ def test_a_process_keeps_the_connections_its_settings_allow_however_many_threads
         database.dispose()
     assert not errors
     assert 1 <= len(pids) <= 3
+
+
+def _synchronous_commit(database: Database) -> str:
+    with database.session() as s:
+        return str(s.execute(text("SHOW synchronous_commit")).scalar_one())
+
+
+def test_a_worker_commits_without_waiting_for_the_disk_and_its_claims_are_seen_at_once(
+    migrated: Settings,
+) -> None:
+    """A worker's database (``worker_synchronous_commit`` off, the default) commits
+    its claims and final rows without waiting for the WAL's flush; the API's
+    stays synchronous. Whoever reads next sees the claim at once."""
+    assert migrated.worker_synchronous_commit is False
+    worker = Database.for_process(migrated, synchronous_commit=migrated.worker_synchronous_commit)
+    api = Database.for_process(migrated)
+    try:
+        assert _synchronous_commit(worker) == "off"
+        assert _synchronous_commit(api) == "on"
+        job_id = uuid.uuid4().hex
+        JobStore(api).create(
+            job_id=job_id, model="tiny-random", user_id=None, messages=None, prompt="hi", params={}
+        )
+        claimed = JobStore(worker).claim(job_id, "w-test")
+        assert claimed is not None and claimed.status == JobStatus.running.value
+        seen = JobStore(api).get(job_id)
+        assert seen is not None and seen.status == JobStatus.running.value
+        assert seen.worker == "w-test"
+        assert JobStore(worker).claim(job_id, "w-other") is None  # a duplicate loses
+    finally:
+        worker.dispose()
+        api.dispose()

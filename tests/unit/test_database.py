@@ -53,3 +53,22 @@ def test_an_existing_database_and_other_urls_are_left_alone(
     assert _mode(shared) == 0o640
     Database("sqlite://").dispose()  # in memory: no file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.db"]
+
+
+def test_a_worker_database_commits_without_a_flush_and_others_with_one(tmp_path: Path) -> None:
+    """``synchronous_commit=False`` (a worker's, by default) puts SQLite's WAL in
+    ``synchronous=NORMAL`` (1): a commit survives the process's crash, not the
+    machine's. Every other process keeps FULL (2)."""
+    url = f"sqlite:///{tmp_path / 'farm.db'}"
+
+    def synchronous(database: Database) -> int:
+        with database.session() as s:
+            return int(s.execute(text("PRAGMA synchronous")).scalar_one())
+
+    worker, api = Database(url, synchronous_commit=False), Database(url)
+    try:
+        assert synchronous(worker) == 1
+        assert synchronous(api) == 2
+    finally:
+        worker.dispose()
+        api.dispose()
