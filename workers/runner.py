@@ -215,19 +215,23 @@ class _Stream:
             self._write([])
 
     def emit(self, kind: str, **fields: Any) -> None:
-        self.flush()
-        self._write([self._event(kind, fields)])
+        """Write the pending text and then this event, in one append."""
+        events = [self._pending_event()] if self.pending else []
+        self._write([*events, self._event(kind, fields)])
 
     def add_text(self, text: str, ids: list[int]) -> None:
         self.pending += text
         self.pending_ids.extend(ids)
 
     def flush(self) -> None:
-        # ``ids`` are what a next attempt carries over (see the module docstring).
         if self.pending:
-            event = self._event("token", {"text": self.pending, "ids": self.pending_ids})
-            self.pending, self.pending_ids = "", []
-            self._write([event])
+            self._write([self._pending_event()])
+
+    def _pending_event(self) -> JobEvent:
+        # ``ids`` are what a next attempt carries over (see the module docstring).
+        event = self._event("token", {"text": self.pending, "ids": self.pending_ids})
+        self.pending, self.pending_ids = "", []
+        return event
 
     def _event(self, kind: str, fields: dict[str, Any]) -> JobEvent:
         event = JobEvent(seq=self.next_seq, type=kind, fields=fields)
@@ -560,9 +564,9 @@ class JobRunner:
                     stream.flush()
             if events and isinstance(events[-1], FinishEvent):
                 finish = events[-1]
-                stream.flush()
                 drained = drained_at is not None and not user_cancelled
                 if drained and finish.finish_reason == "cancelled":
+                    stream.flush()  # the next attempt continues from what the stream holds
                     self._requeue(job, stream)
                     return
                 # Finished in the step that the cancel came after: its text is the
@@ -571,7 +575,8 @@ class JobRunner:
                     stream.add_text(late.text, late.token_ids)
                 if stream.pending and first_token_at is None:
                     first_token_at = datetime.now(UTC)
-                stream.flush()
+                # The answer's last text goes out with its `done` (or `error`), in one
+                # write, once the final row is recorded.
                 self._finish(job, stream, finish, first_token_at, timed_out, batch)
                 return
             if stream.pending and due is not None and now >= due:

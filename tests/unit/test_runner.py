@@ -370,6 +370,21 @@ def test_the_first_token_goes_out_at_once_and_the_next_ones_coalesce(make_farm: 
     assert kinds(events) == ["started", "token", "token", "token", "done"]
 
 
+def test_the_answers_last_text_goes_out_with_done_in_one_write(make_farm: Any) -> None:
+    # "b" and "c" arrive inside a window and the request ends in it: they are
+    # written with `done`, after the final row, in the same append.
+    farm = make_farm([(0.0, "a"), (0.01, "b"), (0.01, "c")])
+    farm.run()
+    assert [kinds(write) for write in farm.streams.appends] == [
+        ["started"],
+        ["token"],
+        ["token", "done"],
+    ]
+    last = farm.streams.appends[-1]
+    assert last[0].text == "bc" and last[1].fields["text"] == "abc"
+    assert farm.job.status == JobStatus.succeeded.value
+
+
 def test_coalesced_tokens_go_out_when_a_window_of_the_shared_grid_ends(make_farm: Any) -> None:
     # Tokens 10 ms apart from an arbitrary instant: after the first, each event is
     # written as a 50 ms window of the monotonic clock's grid ends, so every job of
