@@ -65,7 +65,7 @@ def _commit_without_flush(dbapi_connection: Any, _record: Any) -> None:
     job, and the farm redoes them if they are lost (the reaper, the
     reconciler): waiting for the disk buys nothing. On this project's CI
     machine a flushed commit took 0.2-0.4 ms with the disk quiet and 4 ms
-    while a package build wrote to it; 0.03-0.05 ms without the flush. Set
+    while a package build wrote to it; 0.03-0.2 ms without the flush. Set
     per connection, not in the startup packet: PgBouncer refuses unknown
     startup parameters.
     """
