@@ -34,8 +34,7 @@ follows it (``resumed``, ``restart`` or ``error``), so the stream never holds
 the one without the other: a worker killed between two writes would leave an
 attempt that said it started but not what it continued, and the next
 attempt's ``resumed`` would name that worker, which carried nothing, as the
-previous one. A first run writes ``started`` at once, as soon as the engine has
-its request.
+previous one. A first run writes ``started`` at once.
 
 Fencing: right after the claim, the attempt takes the stream and reads its
 history in the same transaction (:meth:`EventLog.take`), and writes only while
@@ -377,6 +376,7 @@ class JobRunner:
             queue_wait_s=_seconds(job.created_at, job.started_at or datetime.now(UTC)),
         )
         try:
+            self._record_start(job)
             # Fence and read in one transaction: an earlier attempt's late write is
             # either in this history or refused, never after it (StreamTaken).
             owner = f"{self.worker_id}/{uuid.uuid4().hex}"
@@ -441,11 +441,8 @@ class JobRunner:
         params = sampling_params(self.definition, job.params)
         fresh = GenerationRequest(job.id, prompt_ids, params)
         if before.attempts == 0 and (before.whole or job.attempts <= 1):
-            # A first run: `started` goes out at once, once the engine has the request
-            # (the write overlaps the wait for its step, not the first token's path).
-            handle = self.engine.submit(fresh)
-            stream.release()
-            return handle
+            stream.release()  # a first run: `started` goes out at once
+            return self.engine.submit(fresh)
         if not before.whole:
             self._restart(job, stream, "the stream's history is incomplete")
             return self.engine.submit(fresh)
@@ -500,11 +497,8 @@ class JobRunner:
         try:
             submitted = self._submit(job, stream, before)
         except InvalidRequest as exc:
-            self._record_start(job)
             self._fail(job, stream, str(exc))
             return
-        # Once the engine has the request: the write overlaps the wait for its step.
-        self._record_start(job)
         if isinstance(submitted, FinishEvent):
             self._finish(job, stream, submitted, None, False)
             return

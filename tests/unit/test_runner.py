@@ -370,24 +370,6 @@ def test_the_first_token_goes_out_at_once_and_the_next_ones_coalesce(make_farm: 
     assert kinds(events) == ["started", "token", "token", "token", "done"]
 
 
-def test_a_first_run_writes_started_once_the_engine_has_its_request(make_farm: Any) -> None:
-    # The write then overlaps the wait for the engine's next step instead of
-    # delaying the request's admission.
-    farm = make_farm(tokens(["a"], every_s=0.1))
-    submitted_at_started: list[int] = []
-    append = farm.streams.append
-
-    def watched(job_id: str, events: list[JobEvent]) -> None:
-        if "started" in kinds(events):
-            submitted_at_started.append(len(farm.engine.submitted))
-        append(job_id, events)
-
-    farm.streams.append = watched
-    events = farm.run()
-    assert kinds(events) == ["started", "token", "done"]
-    assert submitted_at_started == [1]
-
-
 def test_the_answers_last_text_goes_out_with_done_in_one_write(make_farm: Any) -> None:
     # "b" and "c" arrive inside a window and the request ends in it: they are
     # written with `done`, after the final row, in the same append.
