@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -19,13 +20,17 @@ if TYPE_CHECKING:
     from config import Settings
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, *, flush: bool = True) -> None:
     # WAL lets the API read while a worker writes; the busy timeout makes a
-    # writer wait for the lock instead of failing at once.
+    # writer wait for the lock instead of failing at once. Without ``flush``
+    # (a worker's: Database's ``synchronous_commit``), WAL mode syncs at
+    # checkpoints only: a commit survives the process's crash, and may be
+    # rolled back by the machine's.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=10000")
     cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA synchronous={'FULL' if flush else 'NORMAL'}")
     cursor.close()
 
 
@@ -75,14 +80,6 @@ def _commit_without_flush(dbapi_connection: Any, _record: Any) -> None:
     finally:
         cursor.close()
     dbapi_connection.commit()
-
-
-def _sqlite_commit_without_flush(dbapi_connection: Any, _record: Any) -> None:
-    # In WAL mode, NORMAL syncs at checkpoints only: a commit survives the
-    # process's crash, and may be rolled back by the machine's.
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
 
 
 PING_IDLE_S = 1.0
@@ -150,9 +147,9 @@ class Database:
             }
         self.engine: Engine = create_engine(url, **kwargs)
         if url.startswith("sqlite"):
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-            if not synchronous_commit:
-                event.listen(self.engine, "connect", _sqlite_commit_without_flush)
+            event.listen(
+                self.engine, "connect", functools.partial(_sqlite_pragmas, flush=synchronous_commit)
+            )
         else:
             event.listen(self.engine, "checkin", _mark_checkin)
             if not synchronous_commit and url.startswith("postgresql"):
