@@ -37,10 +37,15 @@ and a fresh SQLite file under the state folder, like ``make run``. Every
 process it starts is stopped at the end.
 
 CPU: the engine, the worker and the peer run with the same thread count
-(``--threads``). The API runs as one gunicorn process (its work is I/O), and
-the phases run one after another, never overlapping: the in-process model is
-freed before the farm starts, the worker is stopped before the subscriber test
-and the peer starts last, on a machine with nothing else of ours running.
+(``--threads``). The API runs as one gunicorn process (its work is I/O). The
+engine and the farm take turns, level by level, for ``--rounds`` rounds (3),
+the one going first alternating (:func:`run_levels`): on a shared machine whose
+speed drifts over minutes, farm/engine is then a ratio of the same moments,
+and each system's rounds of a level are pooled into its row. Nothing of one
+runs while the other is measured (the idle engine waits on a condition, the
+idle worker on its queue). The worker is stopped before the subscriber test,
+the in-process model is freed, and the peer starts last, on a machine with
+nothing else of ours running.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -165,6 +171,27 @@ class Level:
         }
 
 
+def merged(levels: Sequence[Level]) -> Level:
+    """One system's rounds of one level as one level: their requests, tokens and
+    seconds summed, their samples pooled (tokens/s is then the rounds' aggregate)."""
+    first = levels[0]
+    stages: dict[str, list[float]] = {}
+    for lv in levels:
+        for key, values in lv.stages.items():
+            stages.setdefault(key, []).extend(values)
+    return Level(
+        system=first.system,
+        concurrency=first.concurrency,
+        requests=sum(lv.requests for lv in levels),
+        tokens=sum(lv.tokens for lv in levels),
+        seconds=sum(lv.seconds for lv in levels),
+        errors=sum(lv.errors for lv in levels),
+        ttft_s=[t for lv in levels for t in lv.ttft_s],
+        itl_s=[t for lv in levels for t in lv.itl_s],
+        stages=stages,
+    )
+
+
 def run_level(
     system: str,
     client: Client,
@@ -223,33 +250,67 @@ def run_level(
     )
 
 
+@dataclass
+class Contender:
+    """A system measured level by level: its client and what wraps each level."""
+
+    system: str
+    client: Client
+    on_level: Callable[[int], Any] | None = None
+
+
+@dataclass
+class SideBySide:
+    """Every contender's levels, merged over the rounds, and each round's own."""
+
+    levels: dict[str, list[Level]]
+    rounds: dict[str, list[list[Level]]]  # system -> round -> levels
+
+
 def run_levels(
-    system: str,
-    client: Client,
+    contenders: Sequence[Contender],
     prompts: Sequence[str],
     concurrencies: Sequence[int],
     requests_per_client: int,
-    on_level: Callable[[int], Any] | None = None,
     min_requests: int = 1,
-) -> list[Level]:
-    """A warm-up request, then every level in turn, printed as it finishes; each
-    level sends at least ``min_requests`` requests (more per client where few)."""
-    warm = client(prompts[0])
-    if warm.error is not None:
-        raise RuntimeError(f"{system}: the warm-up request failed: {warm.error}")
-    levels = []
-    for c in concurrencies:
-        per_client = max(requests_per_client, -(-min_requests // c))
-        with on_level(c) if on_level is not None else _nothing():
-            level = run_level(system, client, prompts, c, per_client)
-        s = level.summary()
-        print(
-            f"  {system:<7} {c:>3} clients: {s['tokens_per_s']:>7.1f} tok/s, "
-            f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.1f} ms",
-            flush=True,
-        )
-        levels.append(level)
-    return levels
+    rounds: int = 1,
+) -> SideBySide:
+    """A warm-up request each, then every level of every contender, printed as it
+    finishes; each level sends at least ``min_requests`` requests (more per client
+    where few).
+
+    The contenders take turns level by level, and the one that goes first
+    alternates between levels and between rounds: on a shared machine whose speed
+    drifts over minutes (neighbours, a turbo clock), each ratio between them is
+    then measured at the same moment, not minutes apart.
+    """
+    for who in contenders:
+        warm = who.client(prompts[0])
+        if warm.error is not None:
+            raise RuntimeError(f"{who.system}: the warm-up request failed: {warm.error}")
+    runs: dict[str, list[list[Level]]] = {who.system: [] for who in contenders}
+    for r in range(rounds):
+        for who in contenders:
+            runs[who.system].append([])
+        for i, c in enumerate(concurrencies):
+            per_client = max(requests_per_client, -(-min_requests // c))
+            order = contenders if (r + i) % 2 == 0 else list(reversed(contenders))
+            for who in order:
+                with who.on_level(c) if who.on_level is not None else _nothing():
+                    level = run_level(who.system, who.client, prompts, c, per_client)
+                s = level.summary()
+                of = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
+                print(
+                    f"  {who.system:<7} {c:>3} clients{of}: {s['tokens_per_s']:>7.1f} tok/s, "
+                    f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.1f} ms",
+                    flush=True,
+                )
+                runs[who.system][r].append(level)
+    levels = {
+        system: [merged([run[i] for run in per_round]) for i in range(len(concurrencies))]
+        for system, per_round in runs.items()
+    }
+    return SideBySide(levels, runs)
 
 
 @contextmanager
@@ -289,7 +350,9 @@ class CpuMeter:
             yield
         finally:
             after = self._snapshot()
-            self.spent[concurrency] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            spent = self.spent.setdefault(concurrency, {})  # summed over the rounds
+            for k, v in after.items():
+                spent[k] = spent.get(k, 0.0) + v - before.get(k, 0.0)
 
 
 # The engine phase's CPU: this process alone (the engine's threads and the client's).
@@ -778,10 +841,12 @@ def start_api(env: dict[str, str], api_threads: int, log_dir: Path) -> Child:
 # -- phases -----------------------------------------------------------------------
 
 
+@contextmanager
 def engine_phase(
     args: argparse.Namespace, settings: Settings, definition: ModelDefinition
-) -> tuple[list[Level], Callable[[str], int]]:
-    """The bare engine's levels, and a token counter for text (the model's tokenizer)."""
+) -> Iterator[tuple[Contender, Callable[[str], int]]]:
+    """The bare engine, loaded and started in this process, as a contender, and a
+    token counter for text (the model's tokenizer); stopped and freed on exit."""
     import torch
 
     from models.engine import Engine, freeze_heap
@@ -804,33 +869,26 @@ def engine_phase(
     )
     engine.start()
     freeze_heap()  # as the worker does once loaded (the client's threads share this heap)
-    try:
-        client = EngineClient(engine, definition, args.max_new_tokens)
-        levels = run_levels(
-            "engine",
-            client,
-            args.prompts,
-            args.concurrency,
-            args.requests_per_client,
-            on_level=ENGINE_CPU.measuring,
-            min_requests=args.min_requests,
-        )
-    finally:
-        engine.stop()
     tokenizer = loaded.tokenizer
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    # Free the weights before the worker loads its own copy.
-    del engine, client, loaded
-    gc.collect()
-    return levels, count_tokens
+    try:
+        client = EngineClient(engine, definition, args.max_new_tokens)
+        yield Contender("engine", client, ENGINE_CPU.measuring), count_tokens
+    finally:
+        engine.stop()
+        # Free the weights before the peer loads its own copy.
+        del engine, loaded
+        gc.collect()
 
 
 @dataclass
 class FarmResult:
     levels: list[Level]
+    engine: list[Level]
+    rounds: SideBySide
     cpu: dict[int, dict[str, float]]
     worker_rss_loaded: int
     worker_rss_peak: int
@@ -840,10 +898,12 @@ class FarmResult:
 def farm_phase(
     args: argparse.Namespace,
     settings: Settings,
+    engine: Contender,
     count_tokens: Callable[[str], int],
     log_dir: Path,
 ) -> FarmResult:
-    """The farm's levels, the worker's memory, and the API with idle subscribers."""
+    """The farm's levels and ``engine``'s, taking turns (:func:`run_levels`), the
+    worker's memory, and the API with idle subscribers."""
     api_threads = max(settings.api_threads, args.subscribers + 2 * max(args.concurrency) + 16)
     env = child_env(
         settings, args.worker_threads or args.threads, api_threads, args.subscribers + 100
@@ -878,14 +938,14 @@ def farm_phase(
             with meter.measuring(c), peak.sampling() if c == top else _nothing():
                 yield
 
-        levels = run_levels(
-            f"farm/{args.stream}",
-            client,
+        farm = Contender(f"farm/{args.stream}", client, measured)
+        both = run_levels(
+            [engine, farm],
             args.prompts,
             args.concurrency,
             args.requests_per_client,
-            on_level=measured,
             min_requests=args.min_requests,
+            rounds=args.rounds,
         )
         worker_stop()  # the subscribers' jobs must stay queued
         subscribers = None
@@ -896,7 +956,15 @@ def farm_phase(
             subscribers = measure_idle_subscribers(
                 base, token, args.model, args.subscribers, api.pid
             )
-    return FarmResult(levels, meter.spent, loaded_rss, peak.peak, subscribers)
+    return FarmResult(
+        both.levels[farm.system],
+        both.levels[engine.system],
+        both,
+        meter.spent,
+        loaded_rss,
+        peak.peak,
+        subscribers,
+    )
 
 
 @contextmanager
@@ -940,15 +1008,14 @@ def peer_phase(
             log_path=log_dir / "peer.log",
             env=without_our_spin(os.environ),  # llama.cpp's OpenMP as its users run it
         ) as (base, _proc):
-            client = PeerClient(base, args.max_new_tokens)
+            peer = Contender("peer", PeerClient(base, args.max_new_tokens))
             levels = run_levels(
-                "peer",
-                client,
+                [peer],
                 args.prompts,
                 args.concurrency,
                 args.requests_per_client,
                 min_requests=args.min_requests,
-            )
+            ).levels[peer.system]
         return levels, None
     except PeerUnavailable as exc:
         return [], str(exc)
@@ -1004,6 +1071,22 @@ def comparison_table(engine: Sequence[Level], farm: Sequence[Level], peer: Seque
             f"{c:>7} {ratio:>11} {added(50, 'ttft_s'):>9} {added(99, 'ttft_s'):>9} "
             f"{added(50, 'itl_s'):>8} {added(99, 'itl_s'):>8} {vs_peer:>9}"
         )
+    return "\n".join(lines)
+
+
+def rounds_table(both: SideBySide, farm: str, engine: str) -> str:
+    """farm/engine tokens/s of each round, level by level, and their median."""
+    f, e = both.rounds[farm], both.rounds[engine]
+    lines = [f"{'clients':>7}  farm/engine, round by round  (median)"]
+    for i, lv in enumerate(f[0]):
+        ratios = [
+            fr[i].tokens_per_s / er[i].tokens_per_s
+            for fr, er in zip(f, e, strict=True)
+            if er[i].tokens_per_s
+        ]
+        each = " ".join(f"{r:.2f}" for r in ratios)
+        median = f"{statistics.median(ratios):.2f}" if ratios else "-"
+        lines.append(f"{lv.concurrency:>7}  {each:<29} ({median})")
     return "\n".join(lines)
 
 
@@ -1154,6 +1237,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests of a level at least, more per client where few (default: 8)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the engine's and the farm's levels, taking turns; each system's "
+        "rounds of a level are pooled (default: 3)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
@@ -1200,6 +1290,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         parser.error("--concurrency, --requests-per-client and --max-new-tokens must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.threads < 1 or args.worker_threads < 0 or args.subscribers < 0 or args.document < 0:
         parser.error("--threads must be >= 1, --subscribers and --document >= 0")
     # Every phase sends the same prompts (with the document before each, if any).
@@ -1249,17 +1341,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{os.cpu_count()} cores, load average {load_before[0]:.2f}; logs in {log_dir}",
         flush=True,
     )
-    engine, count_tokens = engine_phase(
-        args, base.model_copy(update={"models_dir": models_dir}), definition
-    )
     with ExitStack() as stack:
+        contender, count_tokens = stack.enter_context(
+            engine_phase(args, base.model_copy(update={"models_dir": models_dir}), definition)
+        )
         settings = farm_settings(args, base, stack)
         print(
             f"farm: database {settings.database_url.split('@')[-1]}, redis "
             f"{settings.redis_url.split('@')[-1]}, prefix {settings.redis_prefix}",
             flush=True,
         )
-        farm = farm_phase(args, settings, count_tokens, log_dir)
+        farm = farm_phase(args, settings, contender, count_tokens, log_dir)
+    engine = farm.engine
     peer: list[Level] = []
     peer_note: str | None = "skipped (--no-peer)"
     if not args.no_peer:
@@ -1278,6 +1371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"peer (llama-cpp-python server): {peer_note}")
     print()
     print(comparison_table(engine, farm.levels, peer))
+    if args.rounds > 1:
+        print()
+        print(rounds_table(farm.rounds, farm.levels[0].system, engine[0].system))
     print()
     print("farm: where time to first token goes")
     print(ttft_breakdown(farm.levels))
@@ -1314,10 +1410,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": args.model,
             "max_new_tokens": args.max_new_tokens,
             "requests_per_client": args.requests_per_client,
+            "rounds": args.rounds,
             "threads": args.threads,
             "cores": os.cpu_count(),
             "load_average": [load_before[0], load_after[0]],
             "rows": [lv.summary() for lv in (*engine, *farm.levels, *peer)],
+            "by_round": {
+                system: [[lv.summary() for lv in run] for run in runs]
+                for system, runs in farm.rounds.rounds.items()
+            },
             "peer_note": peer_note,
             "targets": [asdict(t) for t in goals],
             "cpu_s": {str(c): v for c, v in farm.cpu.items()},

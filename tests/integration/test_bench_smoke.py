@@ -39,6 +39,9 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
         # One client sends more to reach a level's least (8 by default; 2 here).
         "--min-requests",
         "2",
+        # The engine and the farm take turns for two rounds, each pooled into its row.
+        "--rounds",
+        "2",
         "--max-new-tokens",
         "4",
         # A long shared context: the prompts every phase sends start with it.
@@ -74,8 +77,13 @@ def test_farm_bench_runs_end_to_end(migrated: Settings, tmp_path: Path) -> None:
     rows = {row["system"]: row for row in report["rows"]}
     assert set(rows) == {"engine", "farm/ws"}
     for row in rows.values():
-        assert row["requests"] == 2 and row["errors"] == 0
-        assert 2 <= row["tokens"] <= 8
+        assert row["requests"] == 4 and row["errors"] == 0
+        assert 4 <= row["tokens"] <= 16
+    for system in ("engine", "farm/ws"):
+        runs = report["by_round"][system]
+        assert [[lv["requests"] for lv in run] for run in runs] == [[2], [2]]
+        assert sum(lv["tokens"] for run in runs for lv in run) == rows[system]["tokens"]
+    assert "farm/engine, round by round" in result.stdout
     assert report["worker_rss_loaded"] > 0
     assert report["subscribers"]["opened"] == 3
     assert "farm / engine tok/s at 8 clients" in result.stdout
