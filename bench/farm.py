@@ -879,9 +879,6 @@ def engine_phase(
         yield Contender("engine", client, ENGINE_CPU.measuring), count_tokens
     finally:
         engine.stop()
-        # Free the weights before the peer loads its own copy.
-        del engine, loaded
-        gc.collect()
 
 
 @dataclass
@@ -1352,6 +1349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         farm = farm_phase(args, settings, contender, count_tokens, log_dir)
+    # The engine is stopped: free its weights before the peer loads its own copy.
+    del contender
+    gc.collect()
     engine = farm.engine
     peer: list[Level] = []
     peer_note: str | None = "skipped (--no-peer)"
