@@ -1210,7 +1210,9 @@ def targets_table(items: Sequence[Target]) -> str:
         if t.measured is None:
             value, verdict = "not measured", "n/a"
         else:
-            value = f"{t.measured:.1f} ms" if t.unit == "ms" else f"{t.measured:.2f}x"
+            # Four significant digits: 0.8996 rounded to "0.90x" beside a 0.90 bar
+            # would read as a pass.
+            value = f"{t.measured:.4g} ms" if t.unit == "ms" else f"{t.measured:.4g}x"
             verdict = "pass" if t.passed else "MISS"
         lines.append(f"  {t.name:<52} {t.goal:>9}  {value:>12}  {verdict}")
     return "\n".join(lines)
