@@ -66,6 +66,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -261,10 +262,14 @@ class Contender:
 
 @dataclass
 class SideBySide:
-    """Every contender's levels, merged over the rounds, and each round's own."""
+    """Every contender's levels, round by round."""
 
-    levels: dict[str, list[Level]]
     rounds: dict[str, list[list[Level]]]  # system -> round -> levels
+
+    def pooled(self, system: str) -> list[Level]:
+        """``system``'s levels, each merged over the rounds (:func:`merged`)."""
+        runs = self.rounds[system]
+        return [merged([run[i] for run in runs]) for i in range(len(runs[0]))]
 
 
 def run_levels(
@@ -306,11 +311,7 @@ def run_levels(
                     flush=True,
                 )
                 runs[who.system][r].append(level)
-    levels = {
-        system: [merged([run[i] for run in per_round]) for i in range(len(concurrencies))]
-        for system, per_round in runs.items()
-    }
-    return SideBySide(levels, runs)
+    return SideBySide(runs)
 
 
 @contextmanager
@@ -883,13 +884,21 @@ def engine_phase(
 
 @dataclass
 class FarmResult:
-    levels: list[Level]
-    engine: list[Level]
-    rounds: SideBySide
+    rounds: SideBySide  # the farm's levels and the engine's
+    system: str  # the farm's name in it
+    engine_system: str
     cpu: dict[int, dict[str, float]]
     worker_rss_loaded: int
     worker_rss_peak: int
     subscribers: Any  # SubscriberResult | None
+
+    @cached_property
+    def levels(self) -> list[Level]:
+        return self.rounds.pooled(self.system)
+
+    @cached_property
+    def engine(self) -> list[Level]:
+        return self.rounds.pooled(self.engine_system)
 
 
 def farm_phase(
@@ -954,9 +963,9 @@ def farm_phase(
                 base, token, args.model, args.subscribers, api.pid
             )
     return FarmResult(
-        both.levels[farm.system],
-        both.levels[engine.system],
         both,
+        farm.system,
+        engine.system,
         meter.spent,
         loaded_rss,
         peak.peak,
@@ -1012,7 +1021,7 @@ def peer_phase(
                 args.concurrency,
                 args.requests_per_client,
                 min_requests=args.min_requests,
-            ).levels[peer.system]
+            ).pooled(peer.system)
         return levels, None
     except PeerUnavailable as exc:
         return [], str(exc)
@@ -1375,7 +1384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(comparison_table(engine, farm.levels, peer))
     if args.rounds > 1:
         print()
-        print(rounds_table(farm.rounds, farm.levels[0].system, engine[0].system))
+        print(rounds_table(farm.rounds, farm.system, farm.engine_system))
     print()
     print("farm: where time to first token goes")
     print(ttft_breakdown(farm.levels))
