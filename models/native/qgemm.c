@@ -1598,7 +1598,10 @@ static int layers_in_team(const sy_layer *layers, int n_layers, float *x, float 
  * against 748 / 816 / 797; on a Zen 4 (2026-12-06) 5.82 against 5.96 ms.
  * In the region, 5 rows gained nothing on the Zen 5, 6 rows were mixed, 7 and
  * 8 rows slower, 8 with tiles of 8 rows too (5.60 / 5.90 against 5.35 / 5.55 ms):
- * the split's threads meet once a step instead of 5 times a layer.
+ * the split's threads meet once a step instead of 5 times a layer. On a Zen 4
+ * (2026-12-07, TEAM_ROWS 8 against 4, steps alone) 5 and 7 rows were 5-18 %
+ * faster in the region (the split gives one thread a row more), 6 and 8 even,
+ * but neither the engine nor the farm at 8 clients gained (bench/README.md).
  */
 int sy_decode_layers(const sy_layer *layers, int n_layers, float *x, float *delta, int rows,
                      int hidden, int heads, int kv_heads, int hd, int inter,
