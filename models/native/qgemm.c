@@ -638,6 +638,14 @@ static inline __attribute__((always_inline)) void panel_tile8(
         __m256i sum[PR][2];
         for (int r = 0; r < nr; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
         if (kind == 0) {
+            /* Not unrolled: GCC 12 unrolls the 8 double pairs whole, and with
+               few rows it then keeps products on the stack to sum them later.
+               Rolled, Q4_1 products of 1 / 2 rows ran 1.02-1.18x / 1.16-1.26x
+               as fast (the model's shapes, both builds timed in turn, medians
+               of 201 pairs; a Zen 4 exposing AVX2 only, 2026-12-07), the same
+               bits; from 3 rows no change, and unrolled by 2 as by 1. Q8_0's
+               loop below measured no gain rolled (bench/README.md). */
+#pragma GCC unroll 1
             for (int t = 0; t < 8; t++) {
                 __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * t)));
                 __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * t + 16)));
